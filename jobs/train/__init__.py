@@ -1,0 +1,1 @@
+"""Training jobs for the small emoji models (data set, VQ tokenizer)."""
