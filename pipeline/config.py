@@ -1,0 +1,286 @@
+"""One validated configuration tree for a generation job.
+
+`JobConfig` is built once at the entry point (defaults < YAML/JSON file < command-line
+overrides), validated by pydantic, saved as `job.json` beside the outputs and passed as a
+plain dict to every worker. Every field carries its documentation; `jobs.generate --help`
+is generated from these descriptions, so this file is the option reference.
+
+Errors name the offending field with its dotted path, e.g. ``decode.tree.depth: ...``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+import time
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+CONFIG_FILE = "job.json"
+_JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class ConfigError(ValueError):
+    """An invalid job configuration; the message names each offending field."""
+
+
+class _Strict(BaseModel):
+    # Unknown keys are typos: refuse them instead of silently ignoring a setting.
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class TreeSettings(_Strict):
+    """Shape of the draft tree (EAGLE-2 defaults for visual AR)."""
+
+    depth: int = Field(5, ge=1, le=64, description="Draft tree depth (levels drafted per round).")
+    top_k: int = Field(10, ge=1, le=1024, description="Children expanded per node and frontier size per level.")
+    budget: int = Field(58, ge=1, le=4096, description="Draft nodes kept after reranking (verified per round).")
+
+
+class DecodeSettings(_Strict):
+    """How each image is decoded; mirrors adt_core's DecodeConfig (None = the bundle's default)."""
+
+    method: Literal["ar", "static", "eagle2", "adt"] = Field(
+        "eagle2", description="Decoder: ar (vanilla baseline), static tree, eagle2 (dynamic tree), adt (adaptive tree)."
+    )
+    temperature: Optional[float] = Field(None, ge=0.0, description="Sampling temperature; 0 = greedy; none = bundle default.")
+    top_k: Optional[int] = Field(None, ge=0, description="Top-k sampling filter (0 = off); none = bundle default.")
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0, description="Top-p (nucleus) filter; none = bundle default.")
+    cfg_scale: Optional[float] = Field(None, ge=1.0, description="Classifier-free guidance scale; none = bundle default.")
+    tree: TreeSettings = Field(default_factory=TreeSettings, description="Draft tree shape.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Model compute dtype.")
+    max_tokens: Optional[int] = Field(
+        None, ge=1, description="Stop after this many image tokens (tests/calibration only); none = whole grid."
+    )
+    adaptive: Optional[dict[str, Any]] = Field(
+        None, description="ADT-Tree controller overrides (JSON object of AdaptiveConfig fields), method adt only."
+    )
+    lantern: Optional[dict[str, Any]] = Field(
+        None, description="LANTERN relaxed acceptance (JSON object: k, delta, lam); lossy; none = exact decoding."
+    )
+
+    def engine_dict(self, device: str) -> dict[str, Any]:
+        """The keyword dict for `adt_core.DecodeConfig.from_dict` on `device`."""
+        d = self.model_dump(exclude_none=True)
+        d["device"] = device
+        return d
+
+
+class StorageSettings(_Strict):
+    """Object-store access. Credentials never live here: they come from the standard AWS
+    chain (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, AWS_PROFILE,
+    instance or pod roles)."""
+
+    endpoint_url: Optional[str] = Field(
+        None, description="S3 endpoint (MinIO, moto, ...); none = AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL / AWS default."
+    )
+    region: Optional[str] = Field(None, description="S3 region; none = AWS_REGION / AWS_DEFAULT_REGION / us-east-1.")
+    profile: Optional[str] = Field(None, description="AWS profile name for credentials; none = AWS_PROFILE / default chain.")
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint_is_url(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not re.match(r"^https?://[^/\s]+", v):
+            raise ValueError(f"must be an http(s):// URL, got {v!r}")
+        return v
+
+
+class JobConfig(_Strict):
+    """A whole generation job: what to read, how to decode, where to write, how to scale."""
+
+    job_id: Optional[str] = Field(
+        None, description="Job name used in the default output path and telemetry; none = a timestamped id."
+    )
+    input: str = Field(
+        "examples/prompts.parquet",
+        description="Prompts: a Parquet file, a folder of Parquet files or an s3:// prefix "
+        "(columns prompt_id: string unique, prompt: string, optional seed: int).",
+    )
+    output: Optional[str] = Field(
+        None, description="Output root (path, file:// or s3:// URI); none = ./outputs/<job_id>."
+    )
+    bundle: str = Field(
+        "emoji16",
+        description="Model bundle: an embedded name, a directory path, or 'random[:seed]' (tiny random weights, for tests).",
+    )
+    decode: DecodeSettings = Field(default_factory=DecodeSettings, description="Decoding settings.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto = one GPU per actor when the cluster has GPUs, else CPU actors; cuda = require GPUs."
+    )
+    num_actors: int = Field(1, ge=1, le=4096, description="Generator actors (each loads the bundle once).")
+    gpus_per_actor: float = Field(1.0, gt=0.0, le=8.0, description="GPUs reserved per actor on GPU clusters.")
+    cpus_per_actor: Optional[float] = Field(
+        None, gt=0.0, le=256.0, description="CPUs reserved per actor on CPU clusters; none = a fraction leaving room for reads/writes."
+    )
+    batch_size: int = Field(4, ge=1, le=4096, description="Prompts per worker call (one generate() call).")
+    limit: Optional[int] = Field(None, ge=1, description="Process only the first N prompts (in file order); none = all.")
+    resume: bool = Field(False, description="Skip prompt ids whose telemetry in the output already says ok.")
+    baseline_fraction: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description="Fraction of prompts also decoded with vanilla AR to measure the real speedup (chosen by prompt id hash).",
+    )
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Base seed for prompts without a seed (mixed with the prompt id).")
+    max_prompt_chars: int = Field(
+        2000, ge=1, description="Prompts longer than this many characters fail as rows (the text encoder truncates tokens)."
+    )
+    allow_failures: bool = Field(False, description="Exit 0 even when some rows failed.")
+    ray_address: Optional[str] = Field(
+        None, description="Ray cluster address; none = RAY_ADDRESS if set (ray job submit), else a local in-process Ray."
+    )
+    progress: bool = Field(True, description="Show Ray Data progress bars.")
+    storage: StorageSettings = Field(default_factory=StorageSettings, description="Object-store endpoint settings.")
+
+    @field_validator("job_id")
+    @classmethod
+    def _job_id_safe(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not _JOB_ID_RE.match(v):
+            raise ValueError(f"must match {_JOB_ID_RE.pattern} (letters, digits, . _ -), got {v!r}")
+        return v
+
+    @field_validator("input", "bundle")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _fill_defaults(self) -> "JobConfig":
+        # Fill derived defaults once, so job.json records the values actually used.
+        if self.job_id is None:
+            self.job_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+        if self.output is None:
+            self.output = str(Path("outputs") / self.job_id)
+        return self
+
+    def config_hash(self) -> str:
+        """Hash of what decides the images and rows (bundle, decoding, seeding, validation).
+
+        Scale-out settings (actors, batch size, paths, resume) are left out, so the same job
+        run on a bigger cluster or resumed keeps its hash.
+        """
+        decides = self.model_dump(mode="json", include={"bundle", "decode", "seed", "max_prompt_chars", "baseline_fraction"})
+        return hashlib.sha256(json.dumps(decides, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_json(self) -> str:
+        """job.json text: the full config plus its hash."""
+        d = self.model_dump(mode="json")
+        d["config_hash"] = self.config_hash()
+        return json.dumps(d, indent=2, sort_keys=True) + "\n"
+
+
+# ----------------------------------------------------------------------------------------
+# Loading: file + overrides -> JobConfig
+
+
+def format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "<config>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        got = e.get("input")
+        tail = "" if e["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"{where}: {msg}{tail}")
+    return "invalid job config:\n  " + "\n  ".join(lines)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or JSON config file into a dict (JSON is YAML, so one parser serves both)."""
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {p}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {p} is not valid YAML/JSON: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a mapping at the top level, got {type(data).__name__}")
+    data.pop("config_hash", None)  # a saved job.json can be fed back in
+    return data
+
+
+def set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
+    """d["a"]["b"]["c"] = value for dotted = "a.b.c", creating levels as needed."""
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        nxt = d.get(key)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            d[key] = nxt
+        d = nxt
+    d[leaf] = value
+
+
+def build_config(data: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None) -> JobConfig:
+    """Validate `data` (e.g. a file's contents) with dotted-key `overrides` applied on top."""
+    merged: dict[str, Any] = json.loads(json.dumps(data or {}))  # deep copy of plain data
+    for key, value in (overrides or {}).items():
+        set_dotted(merged, key, value)
+    try:
+        return JobConfig.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> JobConfig:
+    """Defaults < file at `path` (YAML or JSON) < `overrides` (dotted keys)."""
+    return build_config(read_config_file(path) if path else {}, overrides)
+
+
+# ----------------------------------------------------------------------------------------
+# Introspection for the command line: one option per leaf field.
+
+
+class FieldSpec(typing.NamedTuple):
+    dotted: str  # "decode.tree.depth"
+    annotation: Any  # the leaf type with Optional stripped
+    optional: bool  # None is allowed
+    default: Any
+    description: str
+
+
+def _strip_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], len(args) != len(typing.get_args(tp))
+    return tp, False
+
+
+def leaf_fields(model: type[BaseModel] = JobConfig, prefix: str = "") -> list[FieldSpec]:
+    """Every leaf option of the config tree, depth first, with its documentation."""
+    out: list[FieldSpec] = []
+    for name, info in model.model_fields.items():
+        tp, optional = _strip_optional(info.annotation)
+        dotted = prefix + name
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            out.extend(leaf_fields(tp, dotted + "."))
+            continue
+        default = None if info.default_factory is not None else info.default
+        out.append(FieldSpec(dotted, tp, optional, default, info.description or ""))
+    return out
+
+
+def parse_cli_value(spec: FieldSpec, raw: str) -> Any:
+    """Turn a command-line string into a value pydantic will validate for `spec`."""
+    if spec.optional and raw.strip().lower() in ("none", "null", ""):
+        return None
+    origin = typing.get_origin(spec.annotation)
+    if spec.annotation in (dict, list) or origin in (dict, list):
+        try:
+            return yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{spec.dotted}: not valid JSON/YAML: {e}") from None
+    return raw  # pydantic coerces numbers and checks literals, naming the field on failure
