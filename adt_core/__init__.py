@@ -1,0 +1,11 @@
+"""adt_core: exact speculative decoding (EAGLE-2, static and ADT-Tree draft trees) for
+LlamaGen-architecture visual autoregressive models. Torch only: no Ray, no storage."""
+
+from adt_core.config import AdaptiveConfig, DecodeConfig, LanternConfig, SamplingConfig, TreeConfig
+from adt_core.engine import GenerationResult, Generator, RoundTrace, StepStats
+from adt_core.models.bundle import Bundle, load_bundle, random_bundle, save_bundle
+
+__all__ = [
+    "AdaptiveConfig", "Bundle", "DecodeConfig", "GenerationResult", "Generator", "LanternConfig",
+    "RoundTrace", "SamplingConfig", "StepStats", "TreeConfig", "load_bundle", "random_bundle", "save_bundle",
+]

@@ -1,0 +1,261 @@
+"""Generator: the one orchestrator of decoding (vanilla AR and speculative trees).
+
+Sequence layout per image: T caption positions, then image tokens; image token i sits at
+sequence position T + i. The target's output at position T + i - 1 predicts token i (the
+last caption position predicts token 0). With CFG every image has two rows, cond then uncond
+(for a batch: all cond rows, then all uncond rows), sharing one caption mask.
+
+A speculative round: the ROOT is the last committed token (not yet in the target's cache).
+Draft a tree below it, run the target once on root + tree under the tree mask, verify,
+keep the root and the accepted path in the cache, commit accepted tokens + the bonus token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from adt_core.config import DecodeConfig, SamplingConfig
+from adt_core.draft import TreeProposer
+from adt_core.kv_cache import KVCache
+from adt_core.models.bundle import Bundle
+from adt_core.sampling import cfg_mix, target_probs
+from adt_core.tree import DraftTree
+from adt_core.verify import VerifyResult, verify_greedy, verify_stochastic
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RoundTrace:
+    position: int  # raster index of the first drafted token (root index + 1)
+    depth: int  # draft levels of the tree actually built
+    width: int  # top-k per expansion (0 for static trees / root-only rounds)
+    nodes: int  # drafted nodes verified (root excluded)
+    accepted: int  # accepted drafted tokens (bonus excluded)
+    draft_ms: float
+    verify_ms: float
+
+
+@dataclass
+class StepStats:
+    target_forwards: int = 0  # prefill included
+    draft_forwards: int = 0
+    draft_tokens: int = 0  # drafted nodes sent to verification
+    accepted_draft_tokens: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)  # per round: accepted drafted tokens
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    total_ms: float = 0.0
+    batch_size: int = 1  # images decoded together (AR batches share one wall time)
+    rounds: list[RoundTrace] = field(default_factory=list)
+    lossy: bool = False  # True when a relaxed (LANTERN) acceptance was used
+    estimated_speedup: float | None = None
+
+    @property
+    def num_spec_steps(self) -> int:
+        return len(self.accepted_lengths)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per speculative step: 1 + accepted / steps (vLLM's definition)."""
+        steps = self.num_spec_steps
+        return 1.0 + self.accepted_draft_tokens / steps if steps else 1.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+@dataclass
+class GenerationResult:
+    prompt: str
+    seed: int
+    tokens: torch.Tensor  # (H, W) long, CPU
+    image: np.ndarray  # (H*f, W*f, 3) uint8
+    stats: StepStats
+
+
+class Timer:
+    """Wall-clock milliseconds that wait for the device to finish queued work."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() * 1000.0
+
+
+class Generator:
+    def __init__(self, bundle: Bundle, config: DecodeConfig) -> None:
+        self.bundle, self.config = bundle, config
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.sampling: SamplingConfig = config.sampling(bundle.sampling)
+        self.cfg_rows = 2 if self.sampling.use_cfg else 1
+        tc = bundle.target.config
+        enc = bundle.text_encoder
+        if (enc.max_tokens, enc.dim) != (tc.cls_token_num, tc.caption_dim):
+            raise ValueError(
+                f"text encoder gives {enc.max_tokens} x {enc.dim} caption states, "
+                f"target expects {tc.cls_token_num} x {tc.caption_dim}"
+            )
+        if config.method != "ar" and bundle.drafter is None:
+            raise ValueError(f"method {config.method!r} needs a drafter; bundle {bundle.name!r} has none")
+        self.num_tokens = tc.num_image_tokens if config.max_tokens is None else min(config.max_tokens, tc.num_image_tokens)
+        self.timer = Timer(self.device)
+
+    # ---- public -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompts: list[str], seeds: list[int]) -> list[GenerationResult]:
+        if len(prompts) != len(seeds):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        self._place_models()
+        captions, cmask = self.bundle.text_encoder.encode(list(prompts))  # (B, T, C), (B, T)
+        captions, cmask = captions.to(self.device), cmask.to(self.device)
+        gens = [torch.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
+        if self.config.method == "ar":
+            tokens, stats = self._decode_ar(captions, cmask, gens)
+        else:
+            outs = [self._decode_speculative(captions[i : i + 1], cmask[i : i + 1], gens[i]) for i in range(len(prompts))]
+            tokens = torch.stack([t for t, _ in outs])
+            stats = [s for _, s in outs]
+        h, w = self.bundle.grid
+        grid = tokens.view(-1, h, w)
+        images = self.bundle.vq.decode(grid).cpu().numpy()  # (B, H*f, W*f, 3) uint8
+        return [
+            GenerationResult(p, int(s), grid[i].cpu(), images[i], stats[i])
+            for i, (p, s) in enumerate(zip(prompts, seeds))
+        ]
+
+    # ---- shared steps -------------------------------------------------------------------
+    def _place_models(self) -> None:
+        b = self.bundle
+        for m in (b.target, b.drafter):
+            if m is not None:
+                m.to(self.device, self.dtype)
+        b.vq.to(self.device, torch.float32)
+
+    def _rows(self, captions: torch.Tensor, cmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T, C) captions -> model rows (cond then uncond), with the caption mask per row."""
+        if self.cfg_rows == 1:
+            return captions, cmask
+        uncond = self.bundle.target.cls_embedding.uncond_embedding.to(captions.dtype)  # (T, C)
+        return torch.cat([captions, uncond.expand_as(captions)]), torch.cat([cmask, cmask])
+
+    def _prefill(self, captions: torch.Tensor, cmask: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the caption rows; returns logits (R, V) and hidden (R, 1, dim) at the last position."""
+        rows, rmask = self._rows(captions, cmask)
+        t = rows.shape[1]
+        cache.valid[:, :t] = rmask
+        causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
+        positions = torch.arange(t, device=self.device)
+        logits, hidden = self.bundle.target(positions, cache.attn_mask(causal), cache, captions=rows)
+        return logits[:, -1], hidden[:, -1:]
+
+    def _sample(self, mixed: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
+        """mixed (B, V) -> (B,) tokens: argmax when greedy, else one draw per image generator."""
+        if self.sampling.greedy:
+            return mixed.argmax(-1)
+        probs = target_probs(mixed, self.sampling)
+        return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(gens)])
+
+    # ---- vanilla autoregressive ---------------------------------------------------------
+    def _decode_ar(self, captions, cmask, gens) -> tuple[torch.Tensor, list[StepStats]]:
+        b, t = captions.shape[:2]
+        n, target = self.num_tokens, self.bundle.target
+        t0 = self.timer.now()
+        cache = target.new_cache(b * self.cfg_rows, t + n)
+        logits, _ = self._prefill(captions, cmask, cache)
+        tokens = torch.zeros(b, target.config.num_image_tokens, dtype=torch.long, device=self.device)
+        tokens[:, 0] = self._sample(cfg_mix(logits, self.sampling.cfg_scale), gens)
+        one = torch.ones(1, 1, dtype=torch.bool, device=self.device)
+        for i in range(1, n):
+            inp = tokens[:, i - 1 : i].repeat(self.cfg_rows, 1)  # (R, 1)
+            pos = torch.tensor([t + i - 1], device=self.device)
+            logits, _ = target(pos, cache.attn_mask(one), cache, tokens=inp)
+            tokens[:, i] = self._sample(cfg_mix(logits[:, -1], self.sampling.cfg_scale), gens)
+        total = self.timer.now() - t0
+        stats = [StepStats(target_forwards=n, total_ms=total, verify_ms=total, batch_size=b) for _ in range(b)]
+        return tokens, stats
+
+    # ---- speculative --------------------------------------------------------------------
+    def _max_tree_nodes(self) -> int:
+        c = self.config
+        if c.method == "static":
+            return len(c.tree.static_paths)
+        if c.method == "adt":
+            return c.adaptive.n_max
+        return c.tree.budget
+
+    def _propose(self, proposer: TreeProposer, root: int, root_pos: int, depth: int) -> DraftTree:
+        c = self.config
+        if c.method == "static":
+            return proposer.propose_static(root, root_pos, c.tree.static_paths, depth)
+        return proposer.propose_dynamic(root, root_pos, depth, c.tree.top_k, c.tree.budget)
+
+    def _verify(self, tree: DraftTree, mixed: torch.Tensor, gen: torch.Generator) -> VerifyResult:
+        if self.sampling.greedy:
+            return verify_greedy(tree, mixed)
+        return verify_stochastic(tree, mixed, self.sampling, gen)
+
+    def _decode_speculative(self, caption, cmask, gen) -> tuple[torch.Tensor, StepStats]:
+        """One image: caption (1, T, C), cmask (1, T) -> tokens (N,) and its stats."""
+        b = self.bundle
+        t = caption.shape[1]
+        n, rows, s = self.num_tokens, self.cfg_rows, self.sampling.cfg_scale
+        max_nodes = self._max_tree_nodes()
+        depth_cap = self.config.adaptive.d_max if self.config.method == "adt" else self.config.tree.depth
+        stats = StepStats()
+        t0 = self.timer.now()
+        cache = b.target.new_cache(rows, t + n + max_nodes + 1)
+        proposer = TreeProposer(b.drafter, b.target.head, s, rows, n + (depth_cap + 1) * (max_nodes + 1))
+        logits, hidden = self._prefill(caption, cmask, cache)
+        stats.target_forwards += 1
+        first = int(self._sample(cfg_mix(logits, s), [gen])[0])
+        committed = [first]
+        proposer.observe(hidden, [first], t)
+        while len(committed) < n:
+            root_pos = t + len(committed) - 1
+            depth = min(depth_cap, n - len(committed) - 1)
+            ta = self.timer.now()
+            if depth > 0:
+                tree = self._propose(proposer, committed[-1], root_pos, depth)
+            else:
+                tree = DraftTree.root_only(committed[-1], root_pos, self.device)
+            tb = self.timer.now()
+            prefix = cache.length
+            tree_tokens = tree.tokens.to(self.device)[None].expand(rows, -1)  # (R, n+1)
+            logits, hidden = b.target(tree.positions.to(self.device), cache.attn_mask(tree.ancestor_mask()), cache,
+                                      tokens=tree_tokens)
+            res = self._verify(tree, cfg_mix(logits, s)[0], gen)
+            keep = torch.tensor([0] + res.accepted, dtype=torch.long, device=self.device)
+            cache.keep(prefix, keep)
+            new = tree.tokens[res.accepted].tolist() + [res.bonus]
+            committed += new
+            if len(committed) < n:
+                proposer.observe(hidden[:, keep], new, root_pos + 1)
+            tc = self.timer.now()
+            self._record(stats, tree, res, root_pos - t + 1, tb - ta, tc - tb)
+        stats.draft_forwards = proposer.forwards
+        stats.total_ms = self.timer.now() - t0
+        tokens = torch.zeros(b.target.config.num_image_tokens, dtype=torch.long, device=self.device)
+        tokens[: len(committed)] = torch.tensor(committed, device=self.device)
+        return tokens, stats
+
+    def _record(self, stats: StepStats, tree: DraftTree, res: VerifyResult, position: int, draft_ms: float,
+                verify_ms: float) -> None:
+        nodes = tree.size - 1
+        stats.target_forwards += 1
+        stats.draft_tokens += nodes
+        stats.accepted_draft_tokens += res.num_accepted
+        stats.accepted_lengths.append(res.num_accepted)
+        stats.draft_ms += draft_ms
+        stats.verify_ms += verify_ms
+        width = self.config.tree.top_k if self.config.method == "eagle2" and nodes else 0
+        stats.rounds.append(RoundTrace(position, tree.depth, width, nodes, res.num_accepted, draft_ms, verify_ms))

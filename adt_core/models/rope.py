@@ -1,0 +1,54 @@
+"""2-D rotary position embedding as LlamaGen uses it for text-to-image.
+
+Sequence layout: `cls_len` caption positions, then image tokens in raster order. Image token k
+sits at grid (k // W, k % W) and rotates its head_dim/2 interleaved pairs by the angles
+[row * f (head_dim/4 values), col * f (head_dim/4 values)], f_i = base^(-2i / (head_dim/2)).
+Caption positions get cos = sin = 0 (not the identity), so their q and k are exactly zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def build_rope_cache(grid_h: int, grid_w: int, cls_len: int, head_dim: int, base: float = 10000.0) -> torch.Tensor:
+    """Returns (cls_len + grid_h * grid_w, head_dim // 2, 2) float32: [..., 0] = cos, [..., 1] = sin."""
+    if head_dim % 4 != 0:
+        raise ValueError(f"2-D RoPE needs head_dim divisible by 4, got {head_dim}")
+    half = head_dim // 2
+    freqs = 1.0 / (base ** (torch.arange(0, half, 2, dtype=torch.float64)[: half // 2] / half))  # (hd/4,)
+    rows = torch.arange(grid_h, dtype=torch.float64)[:, None] * freqs  # (H, hd/4)
+    cols = torch.arange(grid_w, dtype=torch.float64)[:, None] * freqs  # (W, hd/4)
+    angles = torch.cat(
+        [rows[:, None, :].expand(grid_h, grid_w, -1), cols[None, :, :].expand(grid_h, grid_w, -1)], dim=-1
+    ).reshape(grid_h * grid_w, half)  # (H*W, hd/2)
+    grid = torch.stack([angles.cos(), angles.sin()], dim=-1).float()  # (H*W, hd/2, 2)
+    caption = torch.zeros(cls_len, half, 2)
+    return torch.cat([caption, grid], dim=0)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """x: (B, S, heads, hd); rope: (B, S, hd/2, 2) gathered at the tokens' positions."""
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)  # (B, S, heads, hd/2, 2)
+    cos, sin = rope[:, :, None, :, 0], rope[:, :, None, :, 1]  # (B, S, 1, hd/2)
+    out = torch.stack([xs[..., 0] * cos - xs[..., 1] * sin, xs[..., 1] * cos + xs[..., 0] * sin], dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class RopeTable:
+    """The fp32 table of `build_rope_cache`, kept out of the module's buffers so that casting a
+    model to bf16 never rounds the angles; copied once per device on first use."""
+
+    def __init__(self, grid_h: int, grid_w: int, cls_len: int, head_dim: int, base: float = 10000.0) -> None:
+        self.table = build_rope_cache(grid_h, grid_w, cls_len, head_dim, base)  # (T + H*W, hd/2, 2)
+        self._on: dict[torch.device, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self.table.shape[0]
+
+    def __call__(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions (B, S) -> (B, S, hd/2, 2) fp32."""
+        dev = positions.device
+        if dev not in self._on:
+            self._on[dev] = self.table.to(dev)
+        return self._on[dev][positions]

@@ -1,0 +1,52 @@
+"""CFG mixing, logit warping and seeded sampling.
+
+Vocabulary used across the engine: `p` is the target's distribution after CFG mixing and
+warping (temperature, top-k, top-p); `q` is the drafter's. All randomness comes from a
+per-image `torch.Generator` passed in by the caller.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from adt_core.config import SamplingConfig
+
+
+def cfg_mix(logits: torch.Tensor, scale: float) -> torch.Tensor:
+    """logits (2B, ..., V) = [cond rows; uncond rows] -> (B, ..., V): uncond + s * (cond - uncond).
+
+    With scale 1 there is no uncond half: logits are returned unchanged.
+    """
+    if scale == 1.0:
+        return logits
+    cond, uncond = logits.chunk(2, dim=0)
+    return uncond + scale * (cond - uncond)
+
+
+def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Temperature, then top-k, then top-p on (..., V) fp32 logits; removed entries become -inf."""
+    logits = logits.float() / cfg.temperature
+    v = logits.shape[-1]
+    if 0 < cfg.top_k < v:
+        kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]  # (..., 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass strictly before it already reaches top_p (the first always stays)
+        drop_sorted = (probs.cumsum(-1) - probs) >= cfg.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def target_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """p: mixed logits (..., V) -> warped probabilities (..., V)."""
+    return warp(logits, cfg).softmax(-1)
+
+
+def sample_token(mixed_logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> int:
+    """One token from (V,) CFG-mixed logits: argmax when greedy, else a draw from p."""
+    if cfg.greedy:
+        return int(mixed_logits.argmax())
+    return int(torch.multinomial(target_probs(mixed_logits, cfg), 1, generator=generator))
