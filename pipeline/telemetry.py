@@ -1,0 +1,265 @@
+"""Per-image telemetry: the Arrow schema (defined once, here), result -> row, and the summary.
+
+One row per prompt and attempt that finished. Column names follow the peers (vLLM's
+mean_acceptance_length / draft_acceptance_rate / num_spec_steps / num_draft_tokens /
+num_accepted_draft_tokens) so reports read like theirs.
+
+Vocabulary: a *round* is one draft + verify step of the speculative loop; its *accepted
+length* counts the accepted draft tokens plus the bonus token the target adds, so vanilla AR
+has acceptance length 1 per step.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import statistics
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import numpy as np
+import pyarrow as pa
+
+TELEMETRY_DIR = "telemetry"
+STATUS_OK = "ok"
+STATUS_FAILED = "failed"
+
+ROUND_TYPE = pa.struct(
+    [
+        ("position", pa.int32()),  # index of the first token this round decides
+        ("depth", pa.int16()),  # draft tree depth used
+        ("width", pa.int16()),  # draft tree width (top-k) used
+        ("nodes", pa.int32()),  # draft nodes verified
+        ("accepted", pa.int16()),  # accepted draft tokens (bonus token not counted)
+        ("draft_ms", pa.float32()),
+        ("verify_ms", pa.float32()),
+    ]
+)
+
+# (name, type, description): the single definition of the telemetry table.
+COLUMNS: list[tuple[str, pa.DataType, str]] = [
+    ("job_id", pa.string(), "job id (JobConfig.job_id)"),
+    ("prompt_id", pa.string(), "prompt id from the input"),
+    ("seed", pa.int64(), "seed used (the input's, or derived from the prompt id when absent); null if invalid"),
+    ("status", pa.string(), "ok | failed"),
+    ("error", pa.string(), "why the row failed (null when ok)"),
+    ("image_key", pa.string(), "image key under the output root, images/<sanitised prompt id>.png (null when failed)"),
+    ("bundle", pa.string(), "model bundle name"),
+    ("method", pa.string(), "decoding method: ar | static | eagle2 | adt"),
+    ("config_hash", pa.string(), "hash of what decides the images (JobConfig.config_hash)"),
+    ("lossy", pa.bool_(), "true when acceptance was relaxed (LANTERN): output may differ from the target's distribution"),
+    ("grid_h", pa.int16(), "token grid height"),
+    ("grid_w", pa.int16(), "token grid width"),
+    ("tokens", pa.list_(pa.int16()), "token grid, row-major, grid_h * grid_w ids"),
+    ("num_spec_steps", pa.int64(), "target forward passes (speculative rounds; tokens for AR)"),
+    ("num_draft_forwards", pa.int64(), "drafter forward passes"),
+    ("num_draft_tokens", pa.int64(), "draft tokens verified by the target"),
+    ("num_accepted_draft_tokens", pa.int64(), "draft tokens accepted"),
+    ("mean_acceptance_length", pa.float64(), "tokens decided per target forward (accepted + bonus)"),
+    ("draft_acceptance_rate", pa.float64(), "num_accepted_draft_tokens / num_draft_tokens (null without drafts)"),
+    ("accepted_lengths", pa.list_(pa.int16()), "accepted draft tokens per round"),
+    ("generation_time_ms", pa.float64(), "engine time for this image"),
+    ("draft_time_ms", pa.float64(), "time spent drafting"),
+    ("verify_time_ms", pa.float64(), "time spent in target verification"),
+    ("baseline_time_ms", pa.float64(), "vanilla AR time for the same prompt and seed (baseline rows only)"),
+    ("speedup", pa.float64(), "baseline_time_ms / generation_time_ms, measured (baseline rows only)"),
+    ("baseline_tokens_match", pa.bool_(), "the AR baseline produced the same token grid (baseline rows only)"),
+    ("estimated_speedup", pa.float64(), "speedup estimated from acceptance and calibrated costs (every row the engine can)"),
+    ("rounds", pa.list_(ROUND_TYPE), "per-round trace: position, depth, width, nodes, accepted, draft_ms, verify_ms"),
+    ("actor_id", pa.string(), "Ray actor that produced the row (local outside Ray)"),
+    ("node_id", pa.string(), "Ray node id (local outside Ray)"),
+    ("hostname", pa.string(), "host name of the worker"),
+    ("device", pa.string(), "torch device, e.g. cuda:0 (NVIDIA H100 ...) or cpu"),
+    ("finished_at", pa.timestamp("ms", tz="UTC"), "when the row was produced"),
+]
+
+SCHEMA = pa.schema([pa.field(name, typ, metadata={"doc": doc}) for name, typ, doc in COLUMNS])
+COLUMN_NAMES = [name for name, _, _ in COLUMNS]
+
+
+@dataclass(frozen=True)
+class RowContext:
+    """What every row of one worker shares."""
+
+    job_id: str
+    bundle: str
+    method: str
+    config_hash: str
+    actor_id: str = "local"
+    node_id: str = "local"
+    hostname: str = ""
+    device: str = "cpu"
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def _base_row(ctx: RowContext, prompt_id: str, seed: Optional[int]) -> dict[str, Any]:
+    row: dict[str, Any] = dict.fromkeys(COLUMN_NAMES)
+    row.update(
+        job_id=ctx.job_id, prompt_id=prompt_id, seed=seed, bundle=ctx.bundle, method=ctx.method,
+        config_hash=ctx.config_hash, actor_id=ctx.actor_id, node_id=ctx.node_id, hostname=ctx.hostname,
+        device=ctx.device, finished_at=_now(),
+    )
+    return row
+
+
+def failed_row(ctx: RowContext, prompt_id: str, seed: Optional[int], error: str) -> dict[str, Any]:
+    row = _base_row(ctx, prompt_id, seed)
+    row.update(status=STATUS_FAILED, error=error[:2000])
+    return row
+
+
+def _opt_float(x: Any) -> Optional[float]:
+    if x is None:
+        return None
+    x = float(x)
+    return None if math.isnan(x) else x
+
+
+def tokens_to_list(tokens: Any) -> tuple[int, int, list[int]]:
+    """(H, W, row-major ids) of a (H, W) token grid (torch tensor or array)."""
+    arr = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens)
+    if arr.ndim != 2:
+        raise ValueError(f"token grid must be 2-D (H, W), got shape {arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int16).max):
+        raise ValueError(f"token ids outside int16 range [{arr.min()}, {arr.max()}]")
+    return int(arr.shape[0]), int(arr.shape[1]), arr.astype(np.int16).reshape(-1).tolist()
+
+
+def _round(r: dict[str, Any]) -> dict[str, Any]:
+    return {name: r.get(name) for name in ROUND_TYPE.names}
+
+
+def ok_row(ctx: RowContext, prompt_id: str, seed: int, image_key: str, result: Any) -> dict[str, Any]:
+    """The row of one successful GenerationResult (tokens, image already stored, stats)."""
+    s = result.stats
+    row = _base_row(ctx, prompt_id, seed)
+    h, w, ids = tokens_to_list(result.tokens)
+    drafted = int(getattr(s, "draft_tokens", 0) or 0)
+    accepted = int(getattr(s, "accepted_draft_tokens", 0) or 0)
+    row.update(
+        status=STATUS_OK,
+        image_key=image_key,
+        lossy=bool(getattr(s, "lossy", False)),
+        grid_h=h,
+        grid_w=w,
+        tokens=ids,
+        num_spec_steps=int(getattr(s, "target_forwards", 0) or 0),
+        num_draft_forwards=int(getattr(s, "draft_forwards", 0) or 0),
+        num_draft_tokens=drafted,
+        num_accepted_draft_tokens=accepted,
+        mean_acceptance_length=_opt_float(getattr(s, "mean_acceptance_length", None)),
+        draft_acceptance_rate=(accepted / drafted) if drafted else None,
+        accepted_lengths=[int(a) for a in (getattr(s, "accepted_lengths", None) or [])],
+        generation_time_ms=_opt_float(getattr(s, "total_ms", None)),
+        draft_time_ms=_opt_float(getattr(s, "draft_ms", None)),
+        verify_time_ms=_opt_float(getattr(s, "verify_ms", None)),
+        estimated_speedup=_opt_float(getattr(s, "estimated_speedup", None)),
+        rounds=[_round(r) for r in (getattr(s, "rounds", None) or [])],
+    )
+    return row
+
+
+def add_baseline(row: dict[str, Any], baseline: Any) -> None:
+    """Record a vanilla AR decode of the same prompt: its time, the measured speedup, and
+    whether it produced the same tokens."""
+    base_ms = _opt_float(getattr(baseline.stats, "total_ms", None))
+    row["baseline_time_ms"] = base_ms
+    gen_ms = row.get("generation_time_ms")
+    row["speedup"] = (base_ms / gen_ms) if base_ms and gen_ms else None
+    _, _, ids = tokens_to_list(baseline.tokens)
+    row["baseline_tokens_match"] = ids == row.get("tokens")
+
+
+def to_table(rows: Iterable[dict[str, Any]]) -> pa.Table:
+    return pa.Table.from_pylist(list(rows), schema=SCHEMA)
+
+
+def empty_table() -> pa.Table:
+    return SCHEMA.empty_table()
+
+
+# ----------------------------------------------------------------------------------------
+# Summary
+
+
+def latest_per_prompt(table: pa.Table) -> pa.Table:
+    """One row per prompt id: an ok row if any, else the latest failed one (rows of a
+    resumed job span several runs)."""
+    if table.num_rows == 0:
+        return table
+    ok = np.asarray(table["status"].to_pylist()) == STATUS_OK
+    ts = table["finished_at"].cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
+    order = sorted(range(table.num_rows), key=lambda i: (bool(ok[i]), ts[i]))
+    best: dict[str, int] = {}
+    ids = table["prompt_id"].to_pylist()
+    for i in order:  # later (better) rows overwrite earlier ones
+        best[ids[i]] = i
+    return table.take(sorted(best.values()))
+
+
+def _stats(values: list[float]) -> dict[str, Optional[float]]:
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    if not vals:
+        return {"count": 0, "mean": None, "median": None}
+    return {"count": len(vals), "mean": statistics.fmean(vals), "median": statistics.median(vals)}
+
+
+def summarize(table: pa.Table, *, wall_time_s: float, skipped: int = 0, total_input: Optional[int] = None) -> dict[str, Any]:
+    """Counts, throughput, speedups and acceptance of one run's telemetry rows."""
+    statuses = Counter(table["status"].to_pylist()) if table.num_rows else Counter()
+    ok = statuses.get(STATUS_OK, 0)
+    failed = statuses.get(STATUS_FAILED, 0)
+    okt = table.filter(pa.compute.equal(table["status"], STATUS_OK)) if table.num_rows else table
+    col = lambda name: okt[name].to_pylist() if okt.num_rows else []  # noqa: E731
+    errors = Counter(
+        (e or "")[:120] for e, s in zip(table["error"].to_pylist(), table["status"].to_pylist()) if s == STATUS_FAILED
+    ) if table.num_rows else Counter()
+    return {
+        "total_input": total_input,
+        "processed": ok + failed,
+        "ok": ok,
+        "failed": failed,
+        "skipped": skipped,
+        "wall_time_s": wall_time_s,
+        "images_per_second": (ok / wall_time_s) if wall_time_s > 0 else None,
+        "speedup": _stats(col("speedup")),
+        "estimated_speedup": _stats(col("estimated_speedup")),
+        "mean_acceptance_length": _stats(col("mean_acceptance_length")),
+        "draft_acceptance_rate": _stats(col("draft_acceptance_rate")),
+        "generation_time_ms": _stats(col("generation_time_ms")),
+        "baseline_tokens_match": sum(1 for m in col("baseline_tokens_match") if m is True),
+        "baseline_tokens_mismatch": sum(1 for m in col("baseline_tokens_match") if m is False),
+        "top_errors": [{"error": e, "count": n} for e, n in errors.most_common(5)],
+    }
+
+
+def _fmt(x: Optional[float], spec: str = ".2f", unit: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{unit}"
+
+
+def format_summary(summary: dict[str, Any], *, title: str = "generation summary", where: Optional[dict[str, str]] = None) -> str:
+    """A one-screen text summary."""
+    s = summary
+    lines = [
+        f"== {title} ==",
+        f"prompts   ok {s['ok']}   failed {s['failed']}   skipped (already done) {s['skipped']}"
+        + (f"   of {s['total_input']}" if s.get("total_input") is not None else ""),
+        f"time      {_fmt(s['wall_time_s'], '.1f', ' s')}   images/s {_fmt(s['images_per_second'], '.3f')}"
+        f"   per image {_fmt(s['generation_time_ms']['mean'], '.0f', ' ms')} (mean)",
+        f"speedup   measured mean {_fmt(s['speedup']['mean'], '.2f', 'x')} median {_fmt(s['speedup']['median'], '.2f', 'x')}"
+        f" (n={s['speedup']['count']})   estimated mean {_fmt(s['estimated_speedup']['mean'], '.2f', 'x')}"
+        f" median {_fmt(s['estimated_speedup']['median'], '.2f', 'x')}",
+        f"accept    mean length {_fmt(s['mean_acceptance_length']['mean'])}   draft acceptance rate"
+        f" {_fmt(s['draft_acceptance_rate']['mean'], '.3f')}",
+    ]
+    if s.get("baseline_tokens_mismatch"):
+        lines.append(f"WARNING   {s['baseline_tokens_mismatch']} baseline rows decoded different tokens than AR")
+    for e in s.get("top_errors", []):
+        lines.append(f"error     {e['count']} x {e['error']}")
+    for name, uri in (where or {}).items():
+        lines.append(f"{name:<9} {uri}")
+    return "\n".join(lines)

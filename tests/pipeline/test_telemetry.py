@@ -1,0 +1,95 @@
+import datetime as dt
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from pipeline.telemetry import (
+    SCHEMA,
+    RowContext,
+    add_baseline,
+    failed_row,
+    format_summary,
+    latest_per_prompt,
+    ok_row,
+    summarize,
+    to_table,
+    tokens_to_list,
+)
+
+CTX = RowContext(job_id="j", bundle="tiny", method="eagle2", config_hash="abc", actor_id="a1", node_id="n1", device="cpu")
+
+
+def fake_result(total_ms=100.0, tokens=None):
+    stats = SimpleNamespace(
+        target_forwards=5, draft_forwards=20, draft_tokens=40, accepted_draft_tokens=10,
+        mean_acceptance_length=3.0, accepted_lengths=[2, 3, 1, 4, 0], draft_ms=30.0, verify_ms=60.0,
+        total_ms=total_ms, rounds=[{"position": 1, "depth": 5, "width": 10, "nodes": 8, "accepted": 2,
+                                    "draft_ms": 1.0, "verify_ms": 2.0}],
+        lossy=False, estimated_speedup=2.5,
+    )
+    grid = np.arange(16).reshape(4, 4) if tokens is None else tokens
+    return SimpleNamespace(tokens=grid, image=np.zeros((16, 16, 3), np.uint8), stats=stats)
+
+
+def test_ok_row_fills_schema():
+    row = ok_row(CTX, "p1", 7, "images/p1.png", fake_result())
+    t = to_table([row])
+    assert t.schema.equals(SCHEMA)
+    r = t.to_pylist()[0]
+    assert r["status"] == "ok" and r["error"] is None and r["grid_h"] == 4 and r["tokens"] == list(range(16))
+    assert r["num_spec_steps"] == 5 and r["num_draft_tokens"] == 40 and r["draft_acceptance_rate"] == 0.25
+    assert r["rounds"][0]["nodes"] == 8 and r["estimated_speedup"] == 2.5 and r["speedup"] is None
+    assert all(f.metadata[b"doc"] for f in SCHEMA)
+
+
+def test_failed_row_and_baseline():
+    f = failed_row(CTX, "p2", None, "invalid prompt: empty")
+    row = ok_row(CTX, "p1", 7, "images/p1.png", fake_result(total_ms=50.0))
+    add_baseline(row, fake_result(total_ms=150.0))
+    assert row["speedup"] == pytest.approx(3.0) and row["baseline_tokens_match"] is True
+    other = ok_row(CTX, "p3", 7, "images/p3.png", fake_result())
+    add_baseline(other, fake_result(tokens=np.zeros((4, 4), int)))
+    assert other["baseline_tokens_match"] is False
+    t = to_table([f, row, other])
+    assert t.column("status").to_pylist() == ["failed", "ok", "ok"]
+
+
+def test_tokens_must_fit_int16():
+    with pytest.raises(ValueError):
+        tokens_to_list(np.array([[40000]]))
+    with pytest.raises(ValueError):
+        tokens_to_list(np.arange(4))
+
+
+def test_summary_counts_and_text():
+    rows = [ok_row(CTX, f"p{i}", i, f"images/p{i}.png", fake_result(total_ms=100.0)) for i in range(3)]
+    add_baseline(rows[0], fake_result(total_ms=300.0))
+    rows.append(failed_row(CTX, "bad", None, "invalid prompt: null"))
+    s = summarize(to_table(rows), wall_time_s=2.0, skipped=5, total_input=9)
+    assert (s["ok"], s["failed"], s["skipped"], s["processed"]) == (3, 1, 5, 4)
+    assert s["images_per_second"] == 1.5
+    assert s["speedup"] == {"count": 1, "mean": 3.0, "median": 3.0}
+    assert s["estimated_speedup"]["median"] == 2.5
+    assert s["top_errors"] == [{"error": "invalid prompt: null", "count": 1}]
+    text = format_summary(s, where={"images": "file:///x/images"})
+    assert "ok 3" in text and "failed 1" in text and "3.00x" in text and "file:///x/images" in text
+    assert len(text.splitlines()) < 25
+    empty = summarize(SCHEMA.empty_table(), wall_time_s=0.0)
+    assert empty["ok"] == 0 and empty["images_per_second"] is None
+    format_summary(empty)
+
+
+def test_latest_per_prompt_prefers_ok_then_latest():
+    t0 = dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)
+    rows = [
+        failed_row(CTX, "a", 1, "first") | {"finished_at": t0},
+        ok_row(CTX, "a", 1, "images/a.png", fake_result()) | {"finished_at": t0},
+        failed_row(CTX, "a", 1, "later failure") | {"finished_at": t0 + dt.timedelta(hours=1)},
+        failed_row(CTX, "b", 1, "old") | {"finished_at": t0},
+        failed_row(CTX, "b", 1, "new") | {"finished_at": t0 + dt.timedelta(hours=1)},
+    ]
+    got = {r["prompt_id"]: r for r in latest_per_prompt(to_table(rows)).to_pylist()}
+    assert got["a"]["status"] == "ok" and got["b"]["error"] == "new"
+    assert isinstance(to_table(rows), pa.Table)
