@@ -375,3 +375,38 @@ class VQModel(nn.Module):
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def save_pretrained(model: VQModel, directory, dtype: torch.dtype = torch.float16) -> None:
+    """Write DIR/config.json (VQConfig fields) + DIR/model.safetensors (params in `dtype`;
+    the integer-valued codebook_used buffer stays fp32 so large codebooks stay exact)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    state = {k: (v if k.endswith("codebook_used") else v.to(dtype)).contiguous().cpu()
+             for k, v in model.state_dict().items()}
+    save_file(state, str(d / WEIGHTS_FILE))
+    (d / CONFIG_FILE).write_text(json.dumps(model.cfg.to_dict(), indent=2))
+
+
+def from_pretrained(directory, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> VQModel:
+    """Load a VQModel written by `save_pretrained` (strict key match), in eval mode."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    cfg = VQConfig.from_dict(json.loads((d / CONFIG_FILE).read_text()))
+    model = VQModel(cfg)
+    model.load_state_dict(load_file(str(d / WEIGHTS_FILE)), strict=True)
+    return model.to(device=device, dtype=dtype).eval()

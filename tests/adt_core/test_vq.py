@@ -127,3 +127,14 @@ def test_config_round_trip():
     assert VQConfig.vq16().downsample_factor == 16
     with pytest.raises(ValueError):
         VQConfig(ch=48)
+
+
+def test_save_and_load_pretrained_round_trip(tmp_path):
+    from adt_core.models.vq import from_pretrained, save_pretrained
+
+    model = tiny_model(seed=3)
+    save_pretrained(model, tmp_path, dtype=torch.float32)
+    loaded = from_pretrained(tmp_path)
+    assert loaded.cfg == model.cfg
+    images = torch.randint(0, 256, (1, 8, 8, 3), dtype=torch.uint8)
+    assert torch.equal(loaded.encode(images), model.encode(images))
