@@ -11,6 +11,7 @@ has acceptance length 1 per step.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import math
 import statistics
@@ -52,14 +53,15 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("grid_h", pa.int16(), "token grid height"),
     ("grid_w", pa.int16(), "token grid width"),
     ("tokens", pa.list_(pa.int16()), "token grid, row-major, grid_h * grid_w ids"),
-    ("num_spec_steps", pa.int64(), "target forward passes (speculative rounds; tokens for AR)"),
+    ("num_spec_steps", pa.int64(), "speculative rounds (draft + verify steps; 0 for vanilla AR)"),
+    ("num_target_forwards", pa.int64(), "target forward passes, prefill included"),
     ("num_draft_forwards", pa.int64(), "drafter forward passes"),
     ("num_draft_tokens", pa.int64(), "draft tokens verified by the target"),
     ("num_accepted_draft_tokens", pa.int64(), "draft tokens accepted"),
     ("mean_acceptance_length", pa.float64(), "tokens decided per target forward (accepted + bonus)"),
     ("draft_acceptance_rate", pa.float64(), "num_accepted_draft_tokens / num_draft_tokens (null without drafts)"),
     ("accepted_lengths", pa.list_(pa.int16()), "accepted draft tokens per round"),
-    ("generation_time_ms", pa.float64(), "engine time for this image"),
+    ("generation_time_ms", pa.float64(), "engine time for this image (an AR batch's shared time is split evenly)"),
     ("draft_time_ms", pa.float64(), "time spent drafting"),
     ("verify_time_ms", pa.float64(), "time spent in target verification"),
     ("baseline_time_ms", pa.float64(), "vanilla AR time for the same prompt and seed (baseline rows only)"),
@@ -129,8 +131,10 @@ def tokens_to_list(tokens: Any) -> tuple[int, int, list[int]]:
     return int(arr.shape[0]), int(arr.shape[1]), arr.astype(np.int16).reshape(-1).tolist()
 
 
-def _round(r: dict[str, Any]) -> dict[str, Any]:
-    return {name: r.get(name) for name in ROUND_TYPE.names}
+def _round(r: Any) -> dict[str, Any]:
+    """A round trace (dict or dataclass such as adt_core.RoundTrace) -> the struct's fields."""
+    d = dataclasses.asdict(r) if dataclasses.is_dataclass(r) else dict(r)
+    return {name: d.get(name) for name in ROUND_TYPE.names}
 
 
 def ok_row(ctx: RowContext, prompt_id: str, seed: int, image_key: str, result: Any) -> dict[str, Any]:
@@ -147,7 +151,8 @@ def ok_row(ctx: RowContext, prompt_id: str, seed: int, image_key: str, result: A
         grid_h=h,
         grid_w=w,
         tokens=ids,
-        num_spec_steps=int(getattr(s, "target_forwards", 0) or 0),
+        num_spec_steps=int(getattr(s, "num_spec_steps", None) or len(getattr(s, "accepted_lengths", None) or [])),
+        num_target_forwards=int(getattr(s, "target_forwards", 0) or 0),
         num_draft_forwards=int(getattr(s, "draft_forwards", 0) or 0),
         num_draft_tokens=drafted,
         num_accepted_draft_tokens=accepted,

@@ -39,7 +39,7 @@ def test_ok_row_fills_schema():
     assert t.schema.equals(SCHEMA)
     r = t.to_pylist()[0]
     assert r["status"] == "ok" and r["error"] is None and r["grid_h"] == 4 and r["tokens"] == list(range(16))
-    assert r["num_spec_steps"] == 5 and r["num_draft_tokens"] == 40 and r["draft_acceptance_rate"] == 0.25
+    assert r["num_spec_steps"] == 5 and r["num_target_forwards"] == 5 and r["num_draft_tokens"] == 40 and r["draft_acceptance_rate"] == 0.25
     assert r["rounds"][0]["nodes"] == 8 and r["estimated_speedup"] == 2.5 and r["speedup"] is None
     assert all(f.metadata[b"doc"] for f in SCHEMA)
 

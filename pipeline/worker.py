@@ -1,0 +1,258 @@
+"""The generator worker: a callable class that Ray Data runs in a pool of actors.
+
+`GeneratorWorker(config)` loads the bundle once (per actor); each call takes one batch of
+prompt rows (a pyarrow Table with prompt_id, prompt[, seed]) and returns one telemetry row
+per prompt (`pipeline.telemetry.SCHEMA`). It is plain Python: tests call it without Ray.
+
+Order per prompt: generate -> store the PNG at <output>/images/<safe prompt id>.png ->
+return its row. The driver writes rows after the batch returns, so an ok row always means
+the image exists; a retried batch rewrites the same keys (no duplicates).
+
+Failures: an invalid row or an exception while generating/storing one prompt becomes a
+failed row. When a whole-batch generate raises, each prompt is retried alone so one bad
+prompt fails alone. Only an unrecoverable error (out of memory twice, a dead CUDA device)
+ends the actor process; Ray restarts it and retries the batch.
+
+Test-only fault switch: ADT_PIPELINE_FAULT=kill_once:<marker file> makes the first actor
+that stores an image mid-batch create the marker and SIGKILL itself (once per marker).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import signal
+import socket
+import time
+from typing import Any, Optional
+
+import pyarrow as pa
+
+from pipeline.config import JobConfig
+from pipeline.prompts import MAX_SEED, derived_seed, row_problem
+from pipeline.storage import image_key, open_storage
+from pipeline.telemetry import RowContext, add_baseline, failed_row, ok_row, to_table
+
+log = logging.getLogger(__name__)
+
+FAULT_ENV = "ADT_PIPELINE_FAULT"
+
+
+class WorkerDied(RuntimeError):
+    """An unrecoverable engine failure outside Ray (inside Ray the process exits instead)."""
+
+
+def load_bundle_spec(spec: str):
+    """A bundle from its spec: 'random' / 'random:<seed>' (tiny random weights, for tests
+    and smoke runs), an embedded bundle name, or a bundle directory."""
+    import adt_core
+
+    if spec == "random" or spec.startswith("random:"):
+        seed = int(spec.partition(":")[2] or 0)
+        return adt_core.random_bundle(seed=seed)
+    return adt_core.load_bundle(spec)
+
+
+def resolve_device(requested: str) -> str:
+    """The torch device for this process: 'cuda:0' (Ray maps the actor's GPU to index 0)
+    or 'cpu'. 'auto' takes CUDA when this process can see a GPU."""
+    import torch
+
+    if requested in ("cuda", "auto") and torch.cuda.is_available():
+        return "cuda:0"
+    if requested == "cuda":
+        raise RuntimeError("device 'cuda' requested but torch sees no CUDA device in this process")
+    return "cpu"
+
+
+def encode_png(image: Any) -> bytes:
+    """uint8 (H, W, 3) array or PIL image -> PNG bytes."""
+    from PIL import Image
+
+    img = image if isinstance(image, Image.Image) else Image.fromarray(image)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def in_baseline_sample(prompt_id: str, fraction: float) -> bool:
+    """Deterministic choice of the prompts also decoded with vanilla AR."""
+    if fraction <= 0.0:
+        return False
+    h = int.from_bytes(hashlib.sha256(("baseline\x00" + prompt_id).encode("utf-8", "surrogatepass")).digest()[:8], "little")
+    return h / 2**64 < fraction
+
+
+def _is_fatal(err: BaseException) -> bool:
+    """Errors after which this process cannot be trusted to generate (device or memory)."""
+    import torch
+
+    if isinstance(err, (MemoryError, torch.cuda.OutOfMemoryError)):
+        return True
+    text = str(err)
+    return "CUDA error" in text or "device-side assert" in text or "CUBLAS_STATUS" in text
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+def _ray_context() -> tuple[str, str, bool]:
+    """(actor id, node id, inside a Ray actor)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            ctx = ray.get_runtime_context()
+            actor = ctx.get_actor_id()
+            return actor or "driver", ctx.get_node_id(), actor is not None
+    except Exception:  # noqa: BLE001 - no Ray, or not a Ray process
+        pass
+    return "local", "local", False
+
+
+class GeneratorWorker:
+    """Callable class for `Dataset.map_batches(..., batch_format="pyarrow")`."""
+
+    def __init__(self, config: dict | JobConfig, device: Optional[str] = None, fault: Optional[str] = None,
+                 num_threads: Optional[int] = None):
+        import torch
+
+        import adt_core
+
+        self.cfg = config if isinstance(config, JobConfig) else JobConfig.model_validate(config)
+        self.fault = fault if fault is not None else os.environ.get(FAULT_ENV)
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.device = resolve_device(device or self.cfg.device)
+        self.storage = open_storage(self.cfg.output, self.cfg.storage)
+        t0 = time.perf_counter()
+        self.bundle = load_bundle_spec(self.cfg.bundle)
+        decode = self.cfg.decode.engine_dict(self.device)
+        self.generator = adt_core.Generator(self.bundle, adt_core.DecodeConfig.from_dict(decode))
+        self.baseline = None
+        if self.cfg.baseline_fraction > 0:
+            self.baseline = adt_core.Generator(self.bundle, adt_core.DecodeConfig.from_dict({**decode, "method": "ar"}))
+        actor, node, self.in_actor = _ray_context()
+        dev_name = self.device
+        if self.device.startswith("cuda"):
+            dev_name += f" ({torch.cuda.get_device_name(0)})"
+        self.ctx = RowContext(
+            job_id=self.cfg.job_id, bundle=self.bundle.name, method=self.cfg.decode.method,
+            config_hash=self.cfg.config_hash(), actor_id=actor, node_id=node, hostname=socket.gethostname(),
+            device=dev_name,
+        )
+        log.info("worker ready: bundle %s on %s in %.1f s (actor %s)", self.bundle.name, dev_name,
+                 time.perf_counter() - t0, actor)
+
+    # ---- one batch ------------------------------------------------------------------------
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = batch.to_pylist() if isinstance(batch, pa.Table) else _dict_batch_rows(batch)
+        out: list[Optional[dict]] = [None] * len(rows)
+        todo: list[tuple[int, str, str, int]] = []  # (row index, prompt id, prompt, seed)
+        for i, r in enumerate(rows):
+            pid, prompt, seed = r["prompt_id"], r.get("prompt"), r.get("seed")
+            problem = row_problem(prompt, seed, self.cfg.max_prompt_chars)
+            if problem:
+                keep = seed if seed is not None and -(2**63) <= seed <= MAX_SEED else None  # fits the int64 column
+                out[i] = failed_row(self.ctx, pid, keep, problem)
+            else:
+                todo.append((i, pid, prompt, seed if seed is not None else derived_seed(pid, self.cfg.seed)))
+
+        results = self._generate([t[2] for t in todo], [t[3] for t in todo])
+        stored = 0
+        for (i, pid, prompt, seed), res in zip(todo, results):
+            if isinstance(res, BaseException):
+                out[i] = failed_row(self.ctx, pid, seed, _describe(res))
+                continue
+            try:
+                key = image_key(pid)
+                self.storage.put_bytes(key, encode_png(res.image), "image/png")  # image before its row
+                row = ok_row(self.ctx, pid, seed, key, res)
+                row["generation_time_ms"] = _per_image_ms(res)
+            except Exception as e:  # noqa: BLE001 - a storage or encoding error fails this row only
+                log.warning("prompt %s failed after generation: %s", pid, _describe(e))
+                out[i] = failed_row(self.ctx, pid, seed, _describe(e))
+                continue
+            if self.baseline is not None and in_baseline_sample(pid, self.cfg.baseline_fraction):
+                self._add_baseline(row, prompt, seed)
+            out[i] = row
+            stored += 1
+            if stored == 1 and len(todo) > 1:
+                self._maybe_fault()
+        return to_table(out)
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _generate(self, prompts: list[str], seeds: list[int]) -> list[Any]:
+        """Results (or the exception) per prompt: one batched call, per prompt on error."""
+        if not prompts:
+            return []
+        try:
+            return list(self.generator.generate(prompts, seeds))
+        except Exception as e:  # noqa: BLE001
+            fatal = _is_fatal(e)
+            log.warning("batch of %d failed (%s); retrying one by one", len(prompts), _describe(e))
+            if fatal:
+                self._free_memory()
+        results: list[Any] = []
+        for p, s in zip(prompts, seeds):
+            try:
+                results.append(self.generator.generate([p], [s])[0])
+            except Exception as e:  # noqa: BLE001
+                if _is_fatal(e):
+                    self._die(e)
+                results.append(e)
+        return results
+
+    def _add_baseline(self, row: dict, prompt: str, seed: int) -> None:
+        try:
+            add_baseline(row, self.baseline.generate([prompt], [seed])[0])
+        except Exception as e:  # noqa: BLE001 - the measurement is optional; the image is fine
+            if _is_fatal(e):
+                self._die(e)
+            log.warning("baseline for %s failed: %s", row["prompt_id"], _describe(e))
+
+    def _free_memory(self) -> None:
+        import gc
+
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _die(self, err: BaseException) -> None:
+        log.error("unrecoverable engine failure, ending this worker: %s", _describe(err))
+        if self.in_actor:
+            logging.shutdown()
+            os._exit(70)  # Ray restarts the actor and retries the batch
+        raise WorkerDied(_describe(err)) from err
+
+    def _maybe_fault(self) -> None:
+        """Test-only: SIGKILL this actor once, mid-batch (see module docstring)."""
+        if not self.fault or not self.fault.startswith("kill_once:") or not self.in_actor:
+            return
+        marker = self.fault.partition(":")[2]
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.write(fd, f"{os.getpid()}\n".encode())
+        os.close(fd)
+        log.error("fault switch: killing actor process %d mid-batch", os.getpid())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _per_image_ms(res: Any) -> Optional[float]:
+    """Engine time of one image; AR batches report one shared wall time, so split it."""
+    total = getattr(res.stats, "total_ms", None)
+    n = max(1, int(getattr(res.stats, "batch_size", 1) or 1))
+    return None if total is None else float(total) / n
+
+
+def _dict_batch_rows(batch: dict) -> list[dict]:
+    cols = list(batch)
+    n = len(batch[cols[0]]) if cols else 0
+    return [{c: (batch[c][i].item() if hasattr(batch[c][i], "item") else batch[c][i]) for c in cols} for i in range(n)]
