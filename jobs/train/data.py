@@ -263,6 +263,9 @@ def licence_facts(files: dict[str, bytes]) -> dict:
         "images": "Noto Color Emoji (googlefonts/noto-emoji), as shipped in img/google/64",
         "images_license": "Apache-2.0",
         "images_license_statement": noto_line,
+        "flags_note": ("per googlefonts/noto-emoji, country-flag images come from its "
+                       "third_party/region-flags and are public domain or otherwise exempt "
+                       "from copyright"),
         "homepage": pkg.get("homepage", ""),
     }
 
@@ -285,6 +288,7 @@ Built by `python -m jobs.train.data` from the npm package {lic['data_package']}.
 - Images: {lic['images']}; licensed {lic['images_license']}.
   Package README: "{lic['images_license_statement']}"
   Attribution: emoji artwork by Google, Noto Emoji project (https://github.com/googlefonts/noto-emoji).
+  Flags: {lic['flags_note']}.
 - Processing: each PNG composited onto white and stored as uint8 RGB 64x64.
 
 Counts: {meta['counts']}
