@@ -125,6 +125,18 @@ def _check_engine_config(cfg: JobConfig) -> None:
         raise JobRefused(f"invalid job config:\n  decode: {e}") from None
 
 
+def _check_bundle(cfg: JobConfig) -> None:
+    """A bundle name or path must resolve here (the driver runs beside the workers' image)."""
+    if cfg.bundle == "random" or cfg.bundle.startswith("random:"):
+        return
+    from adt_core.models.bundle import resolve_bundle_dir
+
+    try:
+        resolve_bundle_dir(cfg.bundle)
+    except (FileNotFoundError, OSError) as e:
+        raise JobRefused(f"bundle {cfg.bundle!r} not found: {e} (use --bundle random for a tiny random model)") from None
+
+
 def _keep_ids(batch: pa.Table, ids: pa.Array) -> pa.Table:
     return batch.filter(pc.is_in(batch["prompt_id"], value_set=ids))
 
@@ -210,6 +222,7 @@ def run_job(cfg: JobConfig, stream: TextIO = sys.stdout) -> JobResult:
     say = _Printer(stream)
     cfg = _absolute(cfg)
     _check_engine_config(cfg)
+    _check_bundle(cfg)
     output = open_storage(cfg.output, cfg.storage)
     try:
         source = open_prompts(cfg.input, cfg.storage)
