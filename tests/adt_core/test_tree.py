@@ -1,0 +1,49 @@
+"""Pure tree helpers: ancestor mask, reranking closure, leaf paths, static shapes."""
+
+import torch
+
+from adt_core.config import TreeConfig, default_static_paths
+from adt_core.tree import CandidatePool, ancestor_mask, children_lists, leaf_paths, rerank, static_children
+
+
+def test_ancestor_mask_and_leaf_paths():
+    parents = torch.tensor([-1, 0, 0, 1, 3, 2])
+    m = ancestor_mask(parents)
+    assert m[4].nonzero().flatten().tolist() == [0, 1, 3, 4]
+    assert m[5].nonzero().flatten().tolist() == [0, 2, 5]
+    assert m.diagonal().all() and not m.triu(1).any()
+    assert leaf_paths(parents) == [[1, 3, 4], [2, 5]]
+
+
+def test_children_ordered_by_score():
+    parents = torch.tensor([-1, 0, 0, 0])
+    scores = torch.tensor([0.0, -2.0, -0.5, -1.0])
+    assert children_lists(parents, scores)[0] == [2, 3, 1]
+
+
+def test_rerank_keeps_best_and_is_ancestor_closed():
+    # pool: 3 children of root, then children of pool 0 and pool 1
+    tokens = torch.tensor([5, 6, 7, 8, 9, 10, 11])
+    parents = torch.tensor([-1, -1, -1, 0, 0, 1, 3])
+    depths = torch.tensor([1, 1, 1, 2, 2, 2, 3])
+    scores = torch.tensor([-0.1, -1.0, -3.0, -0.2, -2.5, -1.5, -0.2])  # note a tie: pool 3 and 6
+    tree = rerank(CandidatePool(tokens, parents, depths, scores), budget=4, root_token=1, root_position=10)
+    assert tree.tokens.tolist() == [1, 5, 6, 8, 11]
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 3]
+    assert tree.positions.tolist() == [10, 11, 11, 12, 13]
+    assert tree.depth == 3
+
+
+def test_static_shape_helpers():
+    paths = default_static_paths()
+    shape = static_children(paths)
+    assert shape[()] == list(range(6))
+    assert shape[(0,)] == [0, 1, 2, 3]
+    TreeConfig(static_paths=paths)  # validates parents exist
+
+
+def test_static_paths_need_parents():
+    import pytest
+
+    with pytest.raises(ValueError, match="lacks its parent"):
+        TreeConfig(static_paths=((0,), (1, 0)))
