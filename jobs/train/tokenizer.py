@@ -199,7 +199,10 @@ class Logger:
 
 def build_state(args, tc: TrainConfig) -> tuple[VQModel, torch.optim.Optimizer, int]:
     ckpt_path = args.out / "ckpt.pt"
-    ckpt = load_checkpoint(ckpt_path) if (args.resume or args.export_only) and ckpt_path.exists() else None
+    if args.export_only and not ckpt_path.exists():
+        raise FileNotFoundError(f"--export-only needs a checkpoint at {ckpt_path}")
+    use_ckpt = (args.resume or args.export_only) and ckpt_path.exists()
+    ckpt = load_checkpoint(ckpt_path) if use_ckpt else None
     cfg = VQConfig.from_dict(ckpt["vq_config"]) if ckpt else DEFAULT_CONFIG
     torch.manual_seed(tc.seed)
     model = VQModel(cfg).train()
