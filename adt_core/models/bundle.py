@@ -60,7 +60,11 @@ def build_text_encoder(spec: dict) -> TextEncoder:
         from adt_core.models.minilm import MiniLMTextEncoder
 
         return MiniLMTextEncoder(**kw)
-    raise ValueError(f"unknown text encoder type {kind!r} (expected 'hash' or 'minilm')")
+    if kind == "t5":
+        from adt_core.models.t5 import T5TextEncoder
+
+        return T5TextEncoder(**kw)
+    raise ValueError(f"unknown text encoder type {kind!r} (expected 'hash', 'minilm' or 't5')")
 
 
 def random_bundle(
@@ -151,8 +155,11 @@ def _load_component(cls, cfg_cls, path: Path):
 
 
 def resolve_bundle_dir(name_or_path: str | Path) -> Path:
+    """A bundle directory, an embedded bundle, or a manifest file (see models/manifest.py)."""
     p = Path(name_or_path)
     if p.is_dir():
+        return p
+    if p.suffix.lower() in (".yaml", ".yml", ".json") and p.is_file():
         return p
     embedded = EMBEDDED_DIR / str(name_or_path)
     if embedded.is_dir():
@@ -162,8 +169,13 @@ def resolve_bundle_dir(name_or_path: str | Path) -> Path:
 
 
 def load_bundle(name_or_path: str | Path = DEFAULT_BUNDLE) -> Bundle:
-    """Load a bundle directory, or an embedded bundle by name (default: emoji16)."""
+    """Load a bundle directory, a manifest (YAML / JSON naming published checkpoints), or an
+    embedded bundle by name (default: emoji16)."""
     path = resolve_bundle_dir(name_or_path)
+    if path.is_file():
+        from adt_core.models.manifest import load_manifest_bundle
+
+        return load_manifest_bundle(path)
     meta = json.loads((path / "bundle.json").read_text())
     comps = meta["components"]
     target = _load_component(LlamaGenGPT, GPTConfig, path / comps["target"])
