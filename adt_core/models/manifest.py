@@ -57,6 +57,7 @@ TOP_LEVEL = {"name", "grid", "target", "drafter", "vq", "text_encoder", "samplin
 COMPONENT_KEYS = {"target": {"path", "sha256", "n_head"}, "drafter": {"path", "sha256"}, "vq": {"path", "sha256"}}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHUNK = 8 << 20
+VQ_LIVE_MAPS = 4  # full-resolution activations alive at once in a VQ decoder res block (estimate)
 
 
 class ManifestError(ValueError):
@@ -453,6 +454,7 @@ class MemoryPlan:
     target_kv_per_image: int
     drafter_kv_per_image: int
     logits_per_image: int  # fp32 logits of the widest forward (caption prefill or tree verify)
+    vq_decode_per_image: int = 0  # estimate: live fp32 activations of the VQ decoder at full resolution
 
     @property
     def weights_total(self) -> int:
@@ -460,7 +462,9 @@ class MemoryPlan:
 
     @property
     def per_image(self) -> int:
-        return self.target_kv_per_image + self.drafter_kv_per_image + self.logits_per_image
+        """Decoding tokens and decoding pixels happen one after the other: the larger phase."""
+        tokens = self.target_kv_per_image + self.drafter_kv_per_image + self.logits_per_image
+        return max(tokens, self.vq_decode_per_image)
 
     def max_images(self, gpu_bytes: int, headroom: float = 0.15) -> int:
         """Images in flight that fit in `gpu_bytes` after weights, keeping `headroom` free."""
@@ -513,7 +517,12 @@ def plan_memory(
         drafter_kv = kv_cache_bytes(1, drafter.n_head, drafter.head_dim, n + (depth + 1) * (tree_nodes + 1), rows, dtype)
     widest = max(t, tree_nodes + 1 if spec else 1)
     logits = rows * widest * target.vocab_size * 4
-    return MemoryPlan(dtype if isinstance(dtype, str) else str(dtype), rows, weights, target_kv, drafter_kv, logits)
+    vq_act = 0
+    if vq is not None:  # ~4 live feature maps of the last decoder level (ch * ch_mult[0] wide) in fp32
+        pixels = target.grid_h * target.grid_w * vq.downsample_factor**2
+        vq_act = VQ_LIVE_MAPS * vq.ch * vq.ch_mult[0] * pixels * 4
+    return MemoryPlan(dtype if isinstance(dtype, str) else str(dtype), rows, weights, target_kv, drafter_kv, logits,
+                      vq_act)
 
 
 def bundle_memory(bundle: Bundle, dtype: str = "bfloat16", cfg: bool | None = None, tree_nodes: int = 58,

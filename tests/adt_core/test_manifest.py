@@ -16,6 +16,7 @@ import yaml
 
 import adt_core
 from adt_core import DecodeConfig, Generator, TreeConfig
+from adt_core.models import checkpoints
 from adt_core.models.bundle import resolve_bundle_dir
 from adt_core.models.drafter import DrafterConfig
 from adt_core.models.gpt import GPTConfig
@@ -254,6 +255,8 @@ def test_memory_plan_of_llamagen_xl_512():
     spec = plan_memory(xl, DrafterConfig.for_target(xl), VQConfig.vq16(), dtype="bfloat16", tree_nodes=58, depth=5)
     assert spec.target_kv_per_image == 421_724_160 // 1144 * (1144 + 59)
     assert spec.drafter_kv_per_image == 2 * 2 * 1280 * (1024 + 6 * 59) * 2
+    assert ar.vq_decode_per_image == 4 * 128 * 512 * 512 * 4  # estimate: at 512 px pixels outweigh tokens
+    assert ar.per_image == max(ar.vq_decode_per_image, ar.target_kv_per_image + ar.logits_per_image)
     assert 50 < ar.max_images(141 * 2**30) < 400
     nocfg = plan_memory(xl, dtype="bfloat16", cfg=False, tree_nodes=0)
     assert nocfg.target_kv_per_image * 2 == ar.target_kv_per_image
@@ -267,3 +270,43 @@ def test_bundle_memory_matches_the_loaded_bundle(published):
     assert plan.weights == actual  # fp32 everywhere here, text encoder included
     assert plan.rows_per_image == 2  # cfg_scale 4.0 in the manifest
     assert bundle_memory(bundle, dtype="bfloat16").weights["target"] * 2 == actual["target"]
+
+
+# ---- the shipped manifests (infra/manifests) ------------------------------------------------------
+MANIFESTS = Path(__file__).resolve().parents[2] / "infra" / "manifests"
+
+
+@pytest.mark.parametrize("name,grid", [("llamagen_t2i_stage1.yaml", 16), ("llamagen_t2i_stage2.yaml", 32)])
+def test_shipped_manifests_parse(name, grid, monkeypatch):
+    monkeypatch.delenv("ADT_MODELS", raising=False)
+    with pytest.raises(ManifestError, match="ADT_MODELS not set"):
+        read_manifest(MANIFESTS / name)
+    monkeypatch.setenv("ADT_MODELS", "s3://my-bucket/models")
+    m = read_manifest(MANIFESTS / name)
+    assert m.grid == (grid, grid)
+    assert m.target.path == f"s3://my-bucket/models/llamagen/t2i_XL_stage{1 if grid == 16 else 2}_{16 * grid}.pt"
+    assert m.drafter.path.startswith("s3://my-bucket/models/lantern/llamagen")
+    assert m.vq.path == "s3://my-bucket/models/llamagen/vq_ds16_t2i.pt"
+    assert m.text_encoder == {"type": "t5", "path": "s3://my-bucket/models/google/flan-t5-xl/", "dtype": "bfloat16",
+                              "device": "auto", "max_tokens": 120}
+    assert (m.sampling.temperature, m.sampling.top_k, m.sampling.top_p, m.sampling.cfg_scale) == (1.0, 1000, 1.0, 7.5)
+
+
+def test_stage1_manifest_loads_the_documented_layout(tmp_path, monkeypatch):
+    """Tiny files at the real caption length (120) and grid (16), in the layout of docs/real_models.md."""
+    cfg = GPTConfig(dim=64, n_layer=1, n_head=4, vocab_size=32, cls_token_num=120, caption_dim=16, grid_h=16,
+                    grid_w=16, multiple_of=64)
+    root = tmp_path / "models"
+    (root / "llamagen").mkdir(parents=True)
+    write_llamagen_pt(tiny_gpt(cfg), root / "llamagen" / "t2i_XL_stage1_256.pt")
+    write_vq_pt(tiny_vq(), root / "llamagen" / "vq_ds16_t2i.pt")
+    write_lantern_drafter(tiny_drafter(cfg), root / "lantern" / "llamagen_drafter", target=cfg)
+    write_tiny_t5(root / "google" / "flan-t5-xl")
+    monkeypatch.setenv("ADT_MODELS", str(root))
+    # the real file's args say gpt_model="GPT-XL" (20 heads); the tiny one says "GPT-tiny"
+    monkeypatch.setitem(checkpoints.LLAMAGEN_SIZES, "GPT-tiny", 4)
+    bundle = adt_core.load_bundle(MANIFESTS / "llamagen_t2i_stage1.yaml")
+    assert bundle.grid == (16, 16) and bundle.target.config.cls_token_num == 120
+    assert bundle.text_encoder.max_tokens == 120 and bundle.drafter.config.grid_h == 16
+    emb, mask = bundle.text_encoder.encode(["a red apple"])
+    assert emb.shape == (1, 120, 16) and mask[0, -4:].all() and not mask[0, :-4].any()
