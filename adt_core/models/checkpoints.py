@@ -223,7 +223,8 @@ def infer_gpt_config(
         elif _grid_pair(grid) != (trained, trained):
             log.warning("%s: trained at grid %d, loading with grid %s", source, trained, grid)
     if grid is None:
-        raise CheckpointError(f"{source}: the grid size is not stored in the weights; give grid (16 at 256 px, 32 at 512 px)")
+        raise CheckpointError(f"{source}: the grid size is not stored in the weights; "
+                              "give grid (16 at 256 px, 32 at 512 px)")
     h, w = _grid_pair(grid)
     return GPTConfig(dim=int(dim), n_layer=n_layer, n_head=int(n_head), vocab_size=int(vocab),
                      cls_token_num=int(cls_num), caption_dim=int(caption_dim), grid_h=h, grid_w=w,
@@ -234,13 +235,15 @@ def gpt_config_from_hf(config: Mapping[str, Any], state: Mapping[str, torch.Tens
                        grid: int | tuple[int, int] | None = None, source: str = "config.json") -> GPTConfig:
     """A GPTConfig from an HF-converted LlamaGen config.json (LANTERN's LlamaGen-T2I)."""
     try:
-        dim, n_layer, n_head = int(config["hidden_size"]), int(config["num_hidden_layers"]), int(config["num_attention_heads"])
+        dim, n_layer = int(config["hidden_size"]), int(config["num_hidden_layers"])
+        n_head = int(config["num_attention_heads"])
         vocab = int(config["vocab_size"])
     except KeyError as e:
         raise CheckpointError(f"{source}: missing field {e.args[0]!r}") from None
     kv_heads = int(config.get("num_key_value_heads") or n_head)
     if kv_heads != n_head:
-        raise CheckpointError(f"{source}: num_key_value_heads {kv_heads} != num_attention_heads {n_head} (LlamaGen has no GQA)")
+        raise CheckpointError(f"{source}: num_key_value_heads {kv_heads} != num_attention_heads {n_head} "
+                              "(LlamaGen has no GQA)")
     ffn = int(config.get("intermediate_size") or GPTConfig(dim=dim).ffn_dim)
     uncond = state.get(f"model.{UNCOND_KEY}")
     cls_num = int(config.get("cls_token_num") or (uncond.shape[0] if uncond is not None else 120))
@@ -283,7 +286,8 @@ def hf_gpt_names(cfg: GPTConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     return names
 
 
-def hf_to_llamagen(state: Mapping[str, torch.Tensor], cfg: GPTConfig, source: str = "checkpoint") -> dict[str, torch.Tensor]:
+def hf_to_llamagen(state: Mapping[str, torch.Tensor], cfg: GPTConfig,
+                   source: str = "checkpoint") -> dict[str, torch.Tensor]:
     """Rename an HF-converted state dict to LlamaGen keys (q|k|v rows concatenated into wqkv)."""
     names = hf_gpt_names(cfg)
     _refuse_missing_uncond(state, f"model.{UNCOND_KEY}", source)
@@ -438,7 +442,8 @@ DRAFTER_KEYS = (
 )
 
 
-def drafter_config_from_lantern(config: Mapping[str, Any], target: GPTConfig, source: str = "config.json") -> DrafterConfig:
+def drafter_config_from_lantern(config: Mapping[str, Any], target: GPTConfig,
+                                source: str = "config.json") -> DrafterConfig:
     """DrafterConfig from LANTERN's drafter config.json; grid, caption rows and RoPE base are
     the target's (the drafter runs on the target's sequence)."""
     try:

@@ -112,7 +112,8 @@ def _component(raw: Any, key: str, base: Path, source: str) -> Component:
         raise ManifestError(f"{source}: {key} must be a path or a mapping with 'path'")
     unknown = set(raw) - COMPONENT_KEYS[key]
     if unknown:
-        raise ManifestError(f"{source}: {key}: unknown fields {sorted(unknown)} (allowed: {sorted(COMPONENT_KEYS[key])})")
+        raise ManifestError(f"{source}: {key}: unknown fields {sorted(unknown)} "
+                            f"(allowed: {sorted(COMPONENT_KEYS[key])})")
     sha = raw.get("sha256")
     _check_sha_field(sha, f"{source}: {key}.sha256")
     opts = {k: v for k, v in raw.items() if k not in ("path", "sha256")}
@@ -269,7 +270,8 @@ class _Progress:
         try:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=name, disable=None, leave=False)
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=name, disable=None,
+                            leave=False)
             if self.bar.disable:
                 self.bar = None
         except ImportError:
@@ -397,7 +399,8 @@ class LocalCache:
                 tmp.unlink(missing_ok=True)
                 raise
             os.replace(tmp, local)
-            meta = {"url": url, "size": local.stat().st_size, "etag": str(head.get("ETag", "")).strip('"'), "sha256": digest}
+            meta = {"url": url, "size": local.stat().st_size, "etag": str(head.get("ETag", "")).strip('"'),
+                    "sha256": digest}
             self._meta(local).write_text(json.dumps(meta, indent=1))
             dt = time.perf_counter() - t0
             log.info("downloaded %s in %.1f s (%.1f MB/s)", url, dt, size / 1e6 / max(dt, 1e-6))
@@ -514,7 +517,8 @@ def plan_memory(
     target_kv = kv_cache_bytes(target.n_layer, target.n_head, target.head_dim, t + n + extra, rows, dtype)
     drafter_kv = 0
     if spec:
-        drafter_kv = kv_cache_bytes(1, drafter.n_head, drafter.head_dim, n + (depth + 1) * (tree_nodes + 1), rows, dtype)
+        length = n + (depth + 1) * (tree_nodes + 1)  # Generator: committed pairs + every tree level's nodes
+        drafter_kv = kv_cache_bytes(1, drafter.n_head, drafter.head_dim, length, rows, dtype)
     widest = max(t, tree_nodes + 1 if spec else 1)
     logits = rows * widest * target.vocab_size * 4
     vq_act = 0

@@ -205,7 +205,8 @@ class T5TextEncoder(nn.Module):
         p = Path(path)
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"T5 directory {p} has no config.json (expected a local flan-t5-xl download)")
-        self.path, self.max_tokens, self.dtype_name, self.device_name, self.clean = str(path), int(max_tokens), dtype, str(device), bool(clean)
+        self.path, self.max_tokens, self.clean = str(path), int(max_tokens), bool(clean)
+        self.dtype_name, self.device_name = dtype, str(device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
         self.model = T5EncoderModel.from_pretrained(str(p), local_files_only=True, dtype=DTYPES[dtype]).eval()
         self.model.requires_grad_(False)

@@ -5,7 +5,6 @@ download cache, sha256 refusal, manifest errors and memory planning."""
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -90,7 +89,8 @@ def test_manifest_bundle_greedy_speculative_equals_vanilla(published, fmt, targe
     assert bundle.sampling.cfg_scale == 4.0 and bundle.sampling.top_k == 0
     runs = {}
     for method in ("ar", "eagle2", "static", "adt"):
-        g = Generator(bundle, DecodeConfig(method=method, temperature=0.0, tree=TreeConfig(depth=3, top_k=4, budget=12)))
+        tree = TreeConfig(depth=3, top_k=4, budget=12)
+        g = Generator(bundle, DecodeConfig(method=method, temperature=0.0, tree=tree))
         res = g.generate(PROMPTS, [0, 1])
         runs[method] = torch.stack([r.tokens for r in res])
         assert res[0].image.shape == (8, 8, 3)
@@ -194,10 +194,11 @@ def test_s3_manifest_downloads_once_and_reuses_the_cache(published, s3, tmp_path
     names = ["t2i_XL_stage1_256.pt", "llamagen_drafter", "vq_ds16_t2i.pt", "flan-t5-xl"]
     upload_tree(s3.client, s3.bucket, published.root, names)
     root = f"s3://{s3.bucket}/llamagen"
+    bin_sha = sha256_file(published.root / "llamagen_drafter" / "pytorch_model.bin")
     m = manifest_dict(root=root, cache_dir="cache")
     m["target"]["sha256"] = sha256_file(published.root / "t2i_XL_stage1_256.pt")
     m["drafter"] = {"path": f"{root}/llamagen_drafter/",
-                    "sha256": {"pytorch_model.bin": sha256_file(published.root / "llamagen_drafter" / "pytorch_model.bin")}}
+                    "sha256": {"pytorch_model.bin": bin_sha}}
     path = write_manifest(tmp_path / "s3.yaml", m)
     seen = count_downloads(monkeypatch)
 
