@@ -8,14 +8,26 @@ budget (ADT-Tree, "cost" mode) reads this table, and `python -m jobs.bench --cal
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 
 import torch
 
-from adt_core.engine import Timer
 from adt_core.models.gpt import LlamaGenGPT
 
 SIZES = (1, 8, 16, 32, 64)
+
+
+class Timer:
+    """Wall-clock milliseconds that wait for the device to finish queued work."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() * 1000.0
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ Expansion shapes:
 from __future__ import annotations
 
 
+from typing import Callable
+
 import torch
 
 from adt_core.kv_cache import KVCache
@@ -70,8 +72,10 @@ class TreeProposer:
         self.forwards += 1
         return feats
 
-    def propose_dynamic(self, root_token: int, root_position: int, depth: int, top_k: int, budget: int) -> DraftTree:
-        """EAGLE-2: expand the top_k best of each level into top_k children; keep `budget` nodes."""
+    def propose_dynamic(self, root_token: int, root_position: int, depth: int, top_k: int,
+                        budget: int | Callable[[torch.Tensor], int]) -> DraftTree:
+        """EAGLE-2: expand the top_k best of each level into top_k children; keep `budget` nodes
+        (or `budget(candidate scores)` nodes when it is a function: the cost-aware budget)."""
         root_feat = self._feed_pending()  # (R, dim)
         return self._expand(
             root_token, root_position, root_feat, depth, budget,
@@ -116,7 +120,8 @@ class TreeProposer:
             parent_feat = feats[:, src]  # (R, L, dim)
             parent_slot = slots[src.cpu()]
         self.cache.truncate(start)
-        return rerank(pool.candidates(), budget, root_token, root_position)
+        n = budget(pool.scores) if callable(budget) else budget
+        return rerank(pool.candidates(), n, root_token, root_position)
 
 
 class _Pool:

@@ -18,14 +18,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from adt_core.adaptive import AdaptiveController, cost_budget
+from adt_core.calibrate import CostTable, Timer, measure_target_cost
 from adt_core.config import DecodeConfig, SamplingConfig
 from adt_core.draft import TreeProposer
 from adt_core.kv_cache import KVCache
 from adt_core.models.bundle import Bundle
 from adt_core.sampling import cfg_mix, target_probs
 from adt_core.tree import DraftTree
-from adt_core.verify import VerifyResult, verify_greedy, verify_stochastic
+from adt_core.lantern import relaxation_for
+from adt_core.verify import Relaxation, VerifyResult, verify_greedy, verify_stochastic
 
+_COSTS: dict[tuple, CostTable] = {}  # measured target costs, per (model, device, dtype, rows)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -79,18 +83,6 @@ class GenerationResult:
     stats: StepStats
 
 
-class Timer:
-    """Wall-clock milliseconds that wait for the device to finish queued work."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() * 1000.0
-
-
 class Generator:
     def __init__(self, bundle: Bundle, config: DecodeConfig) -> None:
         self.bundle, self.config = bundle, config
@@ -109,6 +101,7 @@ class Generator:
             raise ValueError(f"method {config.method!r} needs a drafter; bundle {bundle.name!r} has none")
         self.num_tokens = tc.num_image_tokens if config.max_tokens is None else min(config.max_tokens, tc.num_image_tokens)
         self.timer = Timer(self.device)
+        self._relax: Relaxation | None = None
 
     # ---- public -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -193,16 +186,43 @@ class Generator:
             return c.adaptive.n_max
         return c.tree.budget
 
-    def _propose(self, proposer: TreeProposer, root: int, root_pos: int, depth: int) -> DraftTree:
+    def _propose(self, proposer: TreeProposer, ctrl: AdaptiveController | None, root: int, root_pos: int,
+                 index: int, max_depth: int, t_start: float) -> tuple[DraftTree, int]:
+        """Draft this round's tree; returns it and the width (top-k) it was expanded with."""
         c = self.config
         if c.method == "static":
-            return proposer.propose_static(root, root_pos, c.tree.static_paths, depth)
-        return proposer.propose_dynamic(root, root_pos, depth, c.tree.top_k, c.tree.budget)
+            return proposer.propose_static(root, root_pos, c.tree.static_paths, min(c.tree.depth, max_depth)), 0
+        if ctrl is None:
+            d, k, budget = c.tree.depth, c.tree.top_k, c.tree.budget
+        else:
+            shape = ctrl.shape(index)
+            d, k, budget = shape.depth, shape.width, shape.budget
+            if c.adaptive.budget == "cost":
+                costs, timer = self.cost_table(), self.timer
+                budget = lambda scores: cost_budget(scores, costs, timer.now() - t_start, c.adaptive)  # noqa: E731
+        return proposer.propose_dynamic(root, root_pos, min(d, max_depth), k, budget), k
+
+    def cost_table(self) -> CostTable:
+        """Target forward cost vs new tokens on this device/dtype, measured once and cached."""
+        key = (id(self.bundle.target), str(self.device), self.config.dtype, self.cfg_rows)
+        if key not in _COSTS:
+            _COSTS[key] = measure_target_cost(self.bundle.target, rows=self.cfg_rows, repeats=3, warmup=1)
+        return _COSTS[key]
 
     def _verify(self, tree: DraftTree, mixed: torch.Tensor, gen: torch.Generator) -> VerifyResult:
+        relax = self.relaxation()
         if self.sampling.greedy:
-            return verify_greedy(tree, mixed)
-        return verify_stochastic(tree, mixed, self.sampling, gen)
+            return verify_greedy(tree, mixed, relax)
+        return verify_stochastic(tree, mixed, self.sampling, gen, relax)
+
+    def relaxation(self) -> Relaxation | None:
+        """LANTERN's relaxed acceptance when configured (lossy), built once per Generator."""
+        if self.config.lantern is None:
+            return None
+        if self._relax is None:
+            codebook = self.bundle.vq.quantize.embedding.weight
+            self._relax = relaxation_for(codebook, self.config.lantern, self.device)
+        return self._relax
 
     def _decode_speculative(self, caption, cmask, gen) -> tuple[torch.Tensor, StepStats]:
         """One image: caption (1, T, C), cmask (1, T) -> tokens (N,) and its stats."""
@@ -211,7 +231,7 @@ class Generator:
         n, rows, s = self.num_tokens, self.cfg_rows, self.sampling.cfg_scale
         max_nodes = self._max_tree_nodes()
         depth_cap = self.config.adaptive.d_max if self.config.method == "adt" else self.config.tree.depth
-        stats = StepStats()
+        stats = StepStats(lossy=self.config.lantern is not None)
         t0 = self.timer.now()
         cache = b.target.new_cache(rows, t + n + max_nodes + 1)
         proposer = TreeProposer(b.drafter, b.target.head, s, rows, n + (depth_cap + 1) * (max_nodes + 1))
@@ -220,14 +240,16 @@ class Generator:
         first = int(self._sample(cfg_mix(logits, s), [gen])[0])
         committed = [first]
         proposer.observe(hidden, [first], t)
+        ctrl = AdaptiveController(b.grid, self.config.adaptive) if self.config.method == "adt" else None
         while len(committed) < n:
-            root_pos = t + len(committed) - 1
-            depth = min(depth_cap, n - len(committed) - 1)
+            index = len(committed)  # image index of the first drafted token
+            root_pos = t + index - 1
+            max_depth = n - index - 1
             ta = self.timer.now()
-            if depth > 0:
-                tree = self._propose(proposer, committed[-1], root_pos, depth)
+            if max_depth > 0:
+                tree, width = self._propose(proposer, ctrl, committed[-1], root_pos, index, max_depth, ta)
             else:
-                tree = DraftTree.root_only(committed[-1], root_pos, self.device)
+                tree, width = DraftTree.root_only(committed[-1], root_pos, self.device), 0
             tb = self.timer.now()
             prefix = cache.length
             tree_tokens = tree.tokens.to(self.device)[None].expand(rows, -1)  # (R, n+1)
@@ -240,16 +262,18 @@ class Generator:
             committed += new
             if len(committed) < n:
                 proposer.observe(hidden[:, keep], new, root_pos + 1)
+            if ctrl is not None:
+                ctrl.observe(index, tree.depth, width, res.num_accepted)
             tc = self.timer.now()
-            self._record(stats, tree, res, root_pos - t + 1, tb - ta, tc - tb)
+            self._record(stats, tree, res, index, width, tb - ta, tc - tb)
         stats.draft_forwards = proposer.forwards
         stats.total_ms = self.timer.now() - t0
         tokens = torch.zeros(b.target.config.num_image_tokens, dtype=torch.long, device=self.device)
         tokens[: len(committed)] = torch.tensor(committed, device=self.device)
         return tokens, stats
 
-    def _record(self, stats: StepStats, tree: DraftTree, res: VerifyResult, position: int, draft_ms: float,
-                verify_ms: float) -> None:
+    def _record(self, stats: StepStats, tree: DraftTree, res: VerifyResult, index: int, width: int,
+                draft_ms: float, verify_ms: float) -> None:
         nodes = tree.size - 1
         stats.target_forwards += 1
         stats.draft_tokens += nodes
@@ -257,5 +281,4 @@ class Generator:
         stats.accepted_lengths.append(res.num_accepted)
         stats.draft_ms += draft_ms
         stats.verify_ms += verify_ms
-        width = self.config.tree.top_k if self.config.method == "eagle2" and nodes else 0
-        stats.rounds.append(RoundTrace(position, tree.depth, width, nodes, res.num_accepted, draft_ms, verify_ms))
+        stats.rounds.append(RoundTrace(index, tree.depth, width, nodes, res.num_accepted, draft_ms, verify_ms))

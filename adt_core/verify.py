@@ -44,14 +44,84 @@ class VerifyResult:
         return self.accepted[-1] if self.accepted else 0
 
 
-def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
-    """logits: (n+1, V) CFG-mixed target logits at every tree node."""
+@dataclass(frozen=True)
+class Relaxation:
+    """LANTERN relaxed acceptance (lossy; see adt_core/lantern.py and docs/adt_tree.md).
+
+    For a draft token x, A(x) is the longest prefix of x's codebook neighbours (nearest first)
+    whose mass under the current p stays within a limit: delta (LANTERN; for later children of
+    the same node the limit shrinks so that the whole node moves at most delta of mass) or
+    (lam - 1) p(x) (LANTERN++). x is accepted with probability min(1, p(x) + p(A(x))).
+    """
+
+    neighbours: torch.Tensor  # (V, k) long, codes by codebook distance, self excluded
+    delta: float = 0.0
+    lam: float | None = None
+
+    def prefix(self, p: torch.Tensor, x: int, limit: float) -> tuple[float, torch.Tensor]:
+        """Mass of A(x) under p (V,) for a limit, and A(x) itself (codes)."""
+        nb = self.neighbours[x].to(p.device)  # (k,)
+        cum = p[nb].cumsum(0)  # (k,)
+        n = int((cum <= limit + 1e-12).int().cumprod(0).sum())
+        return (float(cum[n - 1]) if n else 0.0), nb[:n]
+
+
+def node_acceptance(
+    p: torch.Tensor, child_tokens: list[int], relax: Relaxation | None = None
+) -> tuple[list[float], torch.Tensor]:
+    """Acceptance probability of each child, tried in order, and the residual distribution.
+
+    p: (V,) target distribution at the node. Child i is reached only when children 0..i-1 were
+    rejected, so its probability is fixed in advance: a_i = p_i(x_i) (+ relaxed mass), where p_i
+    is p with the earlier children removed and renormalised. The residual (V,) is p with every
+    child removed, renormalised: the bonus token is drawn from it when all are rejected.
+    """
+    accept: list[float] = []
+    live = p.clone()
+    reach, used = 1.0, 0.0  # probability of reaching this child; relaxed mass spent (absolute)
+    for x in child_tokens:
+        z = float(live.sum())
+        if z <= 0.0:
+            accept.append(0.0)
+            continue
+        pi = live / z  # (V,)
+        a = float(pi[x])
+        if relax is not None:
+            if relax.lam is not None:
+                limit = (relax.lam - 1.0) * a
+            else:
+                limit = min(relax.delta, (relax.delta - used) / reach) if reach > 0 else 0.0
+            mass, _ = relax.prefix(pi, x, max(limit, 0.0))
+            a = min(1.0, a + mass)
+            used += reach * mass
+        accept.append(a)
+        reach *= 1.0 - a
+        live[x] = 0.0
+    z = live.sum()
+    residual = live / z if float(z) > 0 else p
+    return accept, residual
+
+
+def verify_greedy(tree: DraftTree, logits: torch.Tensor, relax: Relaxation | None = None) -> VerifyResult:
+    """logits: (n+1, V) CFG-mixed target logits at every tree node.
+
+    With `relax`, a child x is also accepted when the argmax y lies in A(x), the neighbour
+    prefix of x measured under the un-warped softmax of the logits (LANTERN, greedy form).
+    """
     best = logits.argmax(-1).tolist()  # (n+1,)
     tokens = tree.tokens.tolist()
     kids = tree.children()
     node, accepted = 0, []
     while True:
         nxt = next((c for c in kids[node] if tokens[c] == best[node]), None)
+        if nxt is None and relax is not None and kids[node]:
+            p1 = logits[node].float().softmax(-1)
+            for c in kids[node]:
+                limit = (relax.lam - 1.0) * float(p1[tokens[c]]) if relax.lam is not None else relax.delta
+                _, near = relax.prefix(p1, tokens[c], limit)
+                if bool((near == best[node]).any()):
+                    nxt = c
+                    break
         if nxt is None:
             return VerifyResult(accepted, best[node])
         accepted.append(nxt)
@@ -59,7 +129,11 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
 
 
 def verify_stochastic(
-    tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
+    tree: DraftTree,
+    logits: torch.Tensor,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+    relax: Relaxation | None = None,
 ) -> VerifyResult:
     """logits: (n+1, V) CFG-mixed target logits; p is computed only at nodes on the walk."""
     tokens = tree.tokens.tolist()
@@ -67,17 +141,13 @@ def verify_stochastic(
     node, accepted = 0, []
     while True:
         p = target_probs(logits[node], sampling)  # (V,)
+        accept, residual = node_acceptance(p, [tokens[c] for c in kids[node]], relax)
         nxt = None
-        for c in kids[node]:
-            x = tokens[c]
-            px = float(p[x])
-            u = float(torch.rand((), generator=generator, device=p.device))
-            if u < px:
+        for c, a in zip(kids[node], accept):
+            if float(torch.rand((), generator=generator, device=p.device)) < a:
                 nxt = c
                 break
-            p[x] = 0.0
-            p = p / p.sum()
         if nxt is None:
-            return VerifyResult(accepted, int(torch.multinomial(p, 1, generator=generator)))
+            return VerifyResult(accepted, int(torch.multinomial(residual, 1, generator=generator)))
         accepted.append(nxt)
         node = nxt
