@@ -142,14 +142,14 @@ class Generator:
         return torch.cat([captions, uncond.expand_as(captions)]), torch.cat([cmask, cmask])
 
     def _prefill(self, captions: torch.Tensor, cmask: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the caption rows; returns logits (R, V) and hidden (R, 1, dim) at the last position."""
+        """Run the caption rows; returns logits (R, V) at the last position and hidden (R, T, dim)."""
         rows, rmask = self._rows(captions, cmask)
         t = rows.shape[1]
         cache.valid[:, :t] = rmask
         causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
         positions = torch.arange(t, device=self.device)
         logits, hidden = self.bundle.target(positions, cache.attn_mask(causal), cache, captions=rows)
-        return logits[:, -1], hidden[:, -1:]
+        return logits[:, -1], hidden
 
     def _sample(self, mixed: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
         """mixed (B, V) -> (B,) tokens: argmax when greedy, else one draw per image generator."""
@@ -234,12 +234,15 @@ class Generator:
         stats = StepStats(lossy=self.config.lantern is not None)
         t0 = self.timer.now()
         cache = b.target.new_cache(rows, t + n + max_nodes + 1)
-        proposer = TreeProposer(b.drafter, b.target.head, s, rows, n + (depth_cap + 1) * (max_nodes + 1))
+        proposer = TreeProposer(b.drafter, b.target.head, s, rows, t + n + (depth_cap + 1) * (max_nodes + 1))
         logits, hidden = self._prefill(caption, cmask, cache)
         stats.target_forwards += 1
         first = int(self._sample(cfg_mix(logits, s), [gen])[0])
         committed = [first]
-        proposer.observe(hidden, [first], t)
+        if b.drafter.config.caption_pairs:  # LANTERN: (code 0, h_j) for every caption position first
+            proposer.observe(hidden, [0] * (t - 1) + [first], 1)
+        else:
+            proposer.observe(hidden[:, -1:], [first], t)
         ctrl = AdaptiveController(b.grid, self.config.adaptive) if self.config.method == "adt" else None
         while len(committed) < n:
             index = len(committed)  # image index of the first drafted token

@@ -36,6 +36,9 @@ class DrafterConfig:
     grid_w: int = 16
     norm_eps: float = 1e-6
     rope_base: float = 10000.0
+    # LANTERN's drafters also read one pair per caption position before the first image token:
+    # (embedding of code 0, target hidden at caption position j) at position j + 1, unmasked.
+    caption_pairs: bool = False
 
     @property
     def head_dim(self) -> int:

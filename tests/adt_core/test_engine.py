@@ -179,3 +179,16 @@ def test_bf16_greedy_matches_mostly():
     same = (ref == out).float().mean().item()
     print(f"bf16 eagle2 vs ar token agreement: {same:.3f}")
     assert same > 0.5
+
+
+def test_lantern_style_caption_pairs_drafter_is_exact():
+    import dataclasses
+
+    from adt_core.models.drafter import Drafter
+
+    bundle = random_bundle(seed=9, vocab=16, grid=(4, 4))
+    bundle.drafter = Drafter(dataclasses.replace(bundle.drafter.config, caption_pairs=True)).eval()
+    ref, _ = tokens_of(bundle, "ar", temperature=0.0, cfg_scale=3.0)
+    out, res = tokens_of(bundle, "eagle2", TreeConfig(depth=4, top_k=4, budget=16), temperature=0.0, cfg_scale=3.0)
+    assert torch.equal(out, ref)
+    assert res[0].stats.draft_forwards > 0
