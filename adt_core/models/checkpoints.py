@@ -466,7 +466,8 @@ def drafter_config_from_lantern(config: Mapping[str, Any], target: GPTConfig,
                     source, side, config.get("input_type"), target.grid_h, target.grid_w)
     return DrafterConfig(dim=dim, n_head=heads, ffn_dim=ffn, vocab_size=vocab, cls_token_num=target.cls_token_num,
                          grid_h=target.grid_h, grid_w=target.grid_w,
-                         norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_base=target.rope_base)
+                         norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_base=target.rope_base,
+                         caption_pairs=True)  # LANTERN feeds (code 0, h_j) for caption positions
 
 
 def load_lantern_drafter(path: str | Path, target: GPTConfig, dtype: torch.dtype = torch.float32) -> Drafter:
