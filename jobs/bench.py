@@ -10,6 +10,7 @@ Speed is reported as ratios of medians measured in this run (never compared acro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -18,15 +19,41 @@ from pathlib import Path
 
 import torch
 
-from adt_core import DecodeConfig, Generator, TreeConfig, load_bundle, random_bundle
+from adt_core import AdaptiveConfig, DecodeConfig, Generator, LanternConfig, TreeConfig, load_bundle, random_bundle
 from adt_core.calibrate import SIZES, measure_target_cost
 from adt_core.models.bundle import Bundle
 
-METHOD_SPECS = {
-    "ar": dict(method="ar"),
-    "static": dict(method="static", tree=TreeConfig(depth=5)),
-    "eagle2": dict(method="eagle2", tree=TreeConfig(depth=5, top_k=10, budget=58)),
-}
+def method_specs(lantern: LanternConfig) -> dict[str, dict]:
+    """The methods compared, as DecodeConfig fields (EAGLE-2 as used for visual AR: 5 levels,
+    top-k 10, 59 total tokens = root + 58 drafted)."""
+    return {
+        "ar": dict(method="ar"),
+        "static": dict(method="static", tree=TreeConfig(depth=5)),
+        "eagle2": dict(method="eagle2", tree=TreeConfig(depth=5, top_k=10, budget=58)),
+        "adt": dict(method="adt", adaptive=AdaptiveConfig()),
+        "adt+cost": dict(method="adt", adaptive=AdaptiveConfig(budget="cost")),
+        "adt+lantern": dict(method="adt", adaptive=AdaptiveConfig(), lantern=lantern),
+    }
+
+
+def sweep_specs() -> dict[str, dict]:
+    """Sensitivity study of the ADT-Tree controller around its defaults (one change at a time)."""
+    base = AdaptiveConfig()
+    rep = lambda **kw: dict(method="adt", adaptive=dataclasses.replace(base, **kw))  # noqa: E731
+    out = {"adt (defaults)": rep()}
+    for beta in (0.3, 0.7, 0.9):
+        out[f"beta={beta}"] = rep(beta=beta)
+    out["d in [2,6]"] = rep(d_max=6)
+    out["d in [3,10]"] = rep(d_min=3, d_max=10)
+    out["k in [2,8]"] = rep(k_max=8)
+    out["k in [4,24]"] = rep(k_min=4, k_max=24)
+    out["n in [8,32]"] = rep(n_max=32)
+    out["gamma=0.5"] = rep(gamma=0.5)
+    out["init=vertical"] = rep(init="vertical")
+    out["init=both"] = rep(init="both")
+    out["mode=step"] = rep(mode="step")
+    out["budget=cost"] = rep(budget="cost")
+    return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,7 +62,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--bundle", default="emoji16", help="bundle name or directory, or 'random' for a random-init one")
     ap.add_argument("--prompts", default="examples/prompts.parquet", help="Parquet with prompt_id, prompt[, seed]")
     ap.add_argument("--limit", type=int, default=8, help="number of prompts to run")
-    ap.add_argument("--methods", default="ar,static,eagle2", help=f"comma list of {sorted(METHOD_SPECS)}")
+    ap.add_argument("--methods", default="ar,static,eagle2,adt,adt+lantern",
+                    help="comma list of ar, static, eagle2, adt, adt+cost, adt+lantern")
+    ap.add_argument("--lantern-k", type=int, default=100, help="LANTERN: codebook neighbours considered")
+    ap.add_argument("--lantern-delta", type=float, default=0.5, help="LANTERN: mass moved per token (lossy)")
+    ap.add_argument("--sweep", action="store_true", help="ADT-Tree sensitivity study (temperature 0) instead")
+    ap.add_argument("--heatmaps", default=None, metavar="PNG",
+                    help="also draw depth / width / accepted maps of the adt runs of the first 4 prompts here")
     ap.add_argument("--temperatures", default="0,default", help="comma list: numbers or 'default' (bundle defaults)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -90,53 +123,97 @@ def run_method(bundle, spec, temperature, prompts, seeds, args) -> dict:
     if temperature is not None:
         kw["temperature"] = temperature
     gen = Generator(bundle, DecodeConfig(device=args.device, dtype=args.dtype, **kw))
-    gen.generate(prompts[:1], seeds[:1])  # warm-up
+    gen.generate(prompts[:1], seeds[:1])  # warm-up (and one-off costs: calibration, neighbour table)
     results, secs = [], []
     for p, s in zip(prompts, seeds):  # one image at a time: every method at batch size 1
         t0 = time.perf_counter()
         results.append(gen.generate([p], [s])[0])
         secs.append(time.perf_counter() - t0)
     st = [r.stats for r in results]
+    rounds = [x for s in st for x in s.rounds]
     return {
-        "tokens": [r.tokens for r in results],
+        "results": results,
         "mean_acceptance_length": statistics.mean(x.mean_acceptance_length for x in st),
         "target_forwards": statistics.mean(x.target_forwards for x in st),
         "draft_tokens": statistics.mean(x.draft_tokens for x in st),
+        "nodes_per_round": statistics.mean(r.nodes for r in rounds) if rounds else 0.0,
+        "draft_ms_per_round": statistics.mean(r.draft_ms for r in rounds) if rounds else 0.0,
+        "verify_ms_per_round": statistics.mean(r.verify_ms for r in rounds) if rounds else 0.0,
+        "lossy": any(x.lossy for x in st),
         "seconds_median": statistics.median(secs),
         "seconds_mean": statistics.mean(secs),
     }
 
 
+def compare(bundle, specs: dict[str, dict], temperature, prompts, seeds, args, label: str) -> dict:
+    """Run every spec on the same prompts and seeds; print and return one table (ratios vs 'ar')."""
+    rows = {m: run_method(bundle, spec, temperature, prompts, seeds, args) for m, spec in specs.items()}
+    base = rows["ar"]["seconds_median"]
+    greedy = (temperature if temperature is not None else bundle.sampling.temperature) == 0
+    print(f"\n{label}  ({len(prompts)} prompts, bundle {bundle.name}, {args.device}/{args.dtype}, "
+          f"{torch.get_num_threads()} threads)")
+    print(f"{'method':<21}{'accept len':>11}{'target fwd':>11}{'draft tok':>10}{'nodes/rnd':>10}{'draft ms':>9}"
+          f"{'verify ms':>10}{'s/image':>9}{'speedup':>9}" + ("  equals ar" if greedy else ""))
+    table = {}
+    for m, r in rows.items():
+        same = all(torch.equal(a.tokens, b.tokens) for a, b in zip(r["results"], rows["ar"]["results"]))
+        out = {k: v for k, v in r.items() if k != "results"}
+        out["speedup"] = base / r["seconds_median"]
+        if greedy:
+            out["equals_ar"] = same
+        table[m] = out
+        tag = " (lossy)" if out["lossy"] else ""
+        print(f"{m + tag:<21}{out['mean_acceptance_length']:>11.2f}{out['target_forwards']:>11.1f}"
+              f"{out['draft_tokens']:>10.1f}{out['nodes_per_round']:>10.1f}{out['draft_ms_per_round']:>9.1f}"
+              f"{out['verify_ms_per_round']:>10.1f}{r['seconds_median']:>9.3f}{out['speedup']:>8.2f}x"
+              + (f"  {same}" if greedy else ""))
+    table["_results"] = rows  # kept for heatmaps; dropped before JSON
+    return table
+
+
 def bench(bundle: Bundle, args) -> dict:
     prompts, seeds = read_prompts(args.prompts, args.limit)
+    specs_all = method_specs(LanternConfig(k=args.lantern_k, delta=args.lantern_delta))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHOD_SPECS]
+    unknown = [m for m in methods if m not in specs_all]
     if unknown:
-        sys.exit(f"unknown methods {unknown}; known: {sorted(METHOD_SPECS)}")
+        sys.exit(f"unknown methods {unknown}; known: {sorted(specs_all)}")
     if "ar" not in methods:
         methods.insert(0, "ar")
-    out = {"bundle": bundle.name, "device": args.device, "dtype": args.dtype, "prompts": len(prompts), "tables": {}}
-    for temp_s in args.temperatures.split(","):
-        temperature = None if temp_s.strip() == "default" else float(temp_s)
-        label = f"temperature={temp_s.strip()}" + (f" ({bundle.sampling.temperature})" if temperature is None else "")
-        rows = {m: run_method(bundle, METHOD_SPECS[m], temperature, prompts, seeds, args) for m in methods}
-        base = rows["ar"]["seconds_median"]
-        greedy = (temperature if temperature is not None else bundle.sampling.temperature) == 0
-        print(f"\n{label}  ({len(prompts)} prompts, bundle {bundle.name}, {args.device}/{args.dtype})")
-        print(f"{'method':<14}{'accept len':>11}{'target fwd':>11}{'draft tok':>10}{'s/image':>9}{'speedup':>9}"
-              + ("  equals ar" if greedy else ""))
-        table = {}
-        for m, r in rows.items():
-            same = all(torch.equal(a, b) for a, b in zip(r["tokens"], rows["ar"]["tokens"]))
-            r = {k: v for k, v in r.items() if k != "tokens"}
-            r["speedup"] = base / r["seconds_median"]
-            if greedy:
-                r["equals_ar"] = same
-            table[m] = r
-            print(f"{m:<14}{r['mean_acceptance_length']:>11.2f}{r['target_forwards']:>11.1f}{r['draft_tokens']:>10.1f}"
-                  f"{r['seconds_median']:>9.3f}{r['speedup']:>8.2f}x" + (f"  {same}" if greedy else ""))
-        out["tables"][temp_s.strip()] = table
+    out = {"bundle": bundle.name, "device": args.device, "dtype": args.dtype, "prompts": len(prompts),
+           "threads": torch.get_num_threads(), "tables": {}}
+    if args.sweep:
+        specs = {"ar": specs_all["ar"], "eagle2": specs_all["eagle2"], **sweep_specs()}
+        out["tables"]["sweep@0"] = compare(bundle, specs, 0.0, prompts, seeds, args, "ADT-Tree sensitivity, temperature=0")
+    else:
+        for temp_s in args.temperatures.split(","):
+            temperature = None if temp_s.strip() == "default" else float(temp_s)
+            label = f"temperature={temp_s.strip()}" + (f" ({bundle.sampling.temperature})" if temperature is None else "")
+            specs = {m: specs_all[m] for m in methods}
+            out["tables"][temp_s.strip()] = compare(bundle, specs, temperature, prompts, seeds, args, label)
+    if args.heatmaps:
+        draw_heatmaps(bundle, out, args.heatmaps)
+    for t in out["tables"].values():
+        t.pop("_results", None)
     return out
+
+
+def draw_heatmaps(bundle: Bundle, out: dict, path: str) -> None:
+    from jobs.plots import heatmap_panel, stack_panels, trace_maps
+
+    panels = []
+    for tname, table in out["tables"].items():
+        key = next((k for k in ("adt", "adt (defaults)") if k in table["_results"]), None)
+        if key is None:
+            continue
+        cfg = AdaptiveConfig()
+        bounds = {"depth": (cfg.d_min, cfg.d_max), "width": (cfg.k_min, cfg.k_max), "accepted": (1, cfg.d_max + 1)}
+        for r in table["_results"][key]["results"][:4]:
+            maps = trace_maps(r.stats.rounds, bundle.grid)
+            panels.append(heatmap_panel(r.image, maps, bounds, f"T={tname} {r.prompt}"))
+    if panels:
+        stack_panels(panels).save(path)
+        print(f"wrote {path}")
 
 
 def main(argv=None) -> int:
