@@ -238,6 +238,10 @@ def run_job(cfg: JobConfig, stream: TextIO = sys.stdout) -> JobResult:
     run_id = time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(3)
     say(f"job {cfg.job_id} (config {cfg.config_hash()}, run {run_id}): {len(source.ids)} prompt(s) in {source.uri}, "
         f"{wanted} selected, {skipped} already done, output {output.uri}")
+    if cfg.resume and output.exists("job.json"):
+        earlier = json.loads(output.get_text("job.json")).get("config_hash")
+        if earlier and earlier != cfg.config_hash():
+            say(f"WARNING: resuming a job made with config {earlier}; new rows get config {cfg.config_hash()}")
     output.put_text("job.json", cfg.to_json(), "application/json")
 
     plan: Optional[ActorPlan] = None

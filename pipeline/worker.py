@@ -190,7 +190,10 @@ class GeneratorWorker:
         if not prompts:
             return []
         try:
-            return list(self.generator.generate(prompts, seeds))
+            results = list(self.generator.generate(prompts, seeds))
+            if len(results) != len(prompts):
+                raise RuntimeError(f"engine returned {len(results)} results for {len(prompts)} prompts")
+            return results
         except Exception as e:  # noqa: BLE001
             fatal = _is_fatal(e)
             log.warning("batch of %d failed (%s); retrying one by one", len(prompts), _describe(e))

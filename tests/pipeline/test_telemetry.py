@@ -93,3 +93,12 @@ def test_latest_per_prompt_prefers_ok_then_latest():
     got = {r["prompt_id"]: r for r in latest_per_prompt(to_table(rows)).to_pylist()}
     assert got["a"]["status"] == "ok" and got["b"]["error"] == "new"
     assert isinstance(to_table(rows), pa.Table)
+
+
+def test_every_column_is_documented():
+    from pathlib import Path
+
+    from pipeline.telemetry import COLUMN_NAMES
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "pipeline.md").read_text()
+    assert [c for c in COLUMN_NAMES if f"| `{c}` |" not in doc] == []
