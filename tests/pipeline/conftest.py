@@ -69,6 +69,9 @@ def ray_session():
         log_to_driver=True,
         runtime_env={"env_vars": env},
         namespace="pipeline-tests-" + uuid.uuid4().hex[:6],
+        # Ray starts workers at niceness 15; on a machine shared with other work that starves
+        # the actors. Run them at normal priority, like the test process itself.
+        _system_config={"worker_niceness": 0},
     )
     try:
         yield ray

@@ -115,7 +115,7 @@ def test_s3_end_to_end(tmp_path, ray_session, s3):
 def test_partial_run_then_resume_with_an_actor_killed_mid_batch(tmp_path, ray_session, monkeypatch):
     rows = simple_rows(8)
     src = write_prompts(tmp_path / "prompts.parquet", rows)
-    first = run_job(job(tmp_path, src, limit=3), stream=io.StringIO())  # a partial run
+    first = run_job(job(tmp_path, src, limit=3, num_actors=1), stream=io.StringIO())  # a partial run
     assert first.summary["ok"] == 3
     img_dir = tmp_path / "out" / "images"
     before = {p.name: p.stat().st_mtime_ns for p in img_dir.iterdir()}
@@ -129,7 +129,7 @@ def test_partial_run_then_resume_with_an_actor_killed_mid_batch(tmp_path, ray_se
     # in the middle of a batch: Ray restarts it and retries the batch.
     marker = tmp_path / "killed.marker"
     monkeypatch.setenv("ADT_PIPELINE_FAULT", f"kill_once:{marker}")
-    second = run_job(job(tmp_path, src, resume=True, batch_size=3), stream=io.StringIO())
+    second = run_job(job(tmp_path, src, resume=True, batch_size=3, num_actors=1), stream=io.StringIO())
     assert marker.exists()  # the fault fired
     s = second.summary
     assert (second.exit_code, s["ok"], s["failed"], s["skipped"], s["job_ok"]) == (EXIT_OK, 5, 0, 3, 8)

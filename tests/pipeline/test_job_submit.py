@@ -50,7 +50,8 @@ def ray_cluster(tmp_path):
         pytest.skip("ray CLI not installed in this environment")
     temp_dir = tempfile.mkdtemp(prefix="rtj", dir="/tmp")  # short: socket paths have a length limit
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PATH=f"{BIN}:{os.environ.get('PATH', '')}",
-               RAY_USAGE_STATS_ENABLED="0", AWS_EC2_METADATA_DISABLED="true")
+               RAY_USAGE_STATS_ENABLED="0", AWS_EC2_METADATA_DISABLED="true",
+               RAY_worker_niceness="0")  # normal priority on a shared machine (Ray's default is 15)
     env.pop("RAY_ADDRESS", None)
     dash = free_port()
     worker_lo = random.randrange(20000, 29000, 100)  # outside the default 10002-19999 others use
