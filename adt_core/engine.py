@@ -12,7 +12,7 @@ keep the root and the accepted path in the cache, commit accepted tokens + the b
 
 from __future__ import annotations
 
-import time
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,7 +29,8 @@ from adt_core.tree import DraftTree
 from adt_core.lantern import relaxation_for
 from adt_core.verify import Relaxation, VerifyResult, verify_greedy, verify_stochastic
 
-_COSTS: dict[tuple, CostTable] = {}  # measured target costs, per (model, device, dtype, rows)
+# measured target costs: model -> {(device, dtype, rows): table}; entries die with the model
+_COSTS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, CostTable]]" = weakref.WeakKeyDictionary()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -83,6 +84,15 @@ class GenerationResult:
     stats: StepStats
 
 
+def estimate_speedup(stats: StepStats, costs: CostTable, num_tokens: int) -> float:
+    """Vanilla AR's modelled time over this image's: AR pays num_tokens one-token forwards; the
+    speculative run paid one prefill-sized step plus, per round, a forward of root + nodes and
+    its measured draft time. Uses the calibrated target costs, not this run's wall time."""
+    ar = num_tokens * costs.cost(1)
+    spec = costs.cost(1) + sum(costs.cost(r.nodes + 1) + r.draft_ms for r in stats.rounds)
+    return ar / spec if spec > 0 else 1.0
+
+
 class Generator:
     def __init__(self, bundle: Bundle, config: DecodeConfig) -> None:
         self.bundle, self.config = bundle, config
@@ -118,6 +128,9 @@ class Generator:
             outs = [self._decode_speculative(captions[i : i + 1], cmask[i : i + 1], gens[i]) for i in range(len(prompts))]
             tokens = torch.stack([t for t, _ in outs])
             stats = [s for _, s in outs]
+            costs = self.cost_table()
+            for st in stats:
+                st.estimated_speedup = estimate_speedup(st, costs, self.num_tokens)
         h, w = self.bundle.grid
         grid = tokens.view(-1, h, w)
         images = self.bundle.vq.decode(grid).cpu().numpy()  # (B, H*f, W*f, 3) uint8
@@ -174,7 +187,8 @@ class Generator:
             logits, _ = target(pos, cache.attn_mask(one), cache, tokens=inp)
             tokens[:, i] = self._sample(cfg_mix(logits[:, -1], self.sampling.cfg_scale), gens)
         total = self.timer.now() - t0
-        stats = [StepStats(target_forwards=n, total_ms=total, verify_ms=total, batch_size=b) for _ in range(b)]
+        stats = [StepStats(target_forwards=n, total_ms=total, verify_ms=total, batch_size=b, estimated_speedup=1.0)
+                 for _ in range(b)]
         return tokens, stats
 
     # ---- speculative --------------------------------------------------------------------
@@ -204,10 +218,12 @@ class Generator:
 
     def cost_table(self) -> CostTable:
         """Target forward cost vs new tokens on this device/dtype, measured once and cached."""
-        key = (id(self.bundle.target), str(self.device), self.config.dtype, self.cfg_rows)
-        if key not in _COSTS:
-            _COSTS[key] = measure_target_cost(self.bundle.target, rows=self.cfg_rows, repeats=3, warmup=1)
-        return _COSTS[key]
+        per_model = _COSTS.setdefault(self.bundle.target, {})
+        key = (str(self.device), self.config.dtype, self.cfg_rows)
+        if key not in per_model:
+            self._place_models()
+            per_model[key] = measure_target_cost(self.bundle.target, rows=self.cfg_rows, repeats=3, warmup=1)
+        return per_model[key]
 
     def _verify(self, tree: DraftTree, mixed: torch.Tensor, gen: torch.Generator) -> VerifyResult:
         relax = self.relaxation()
