@@ -216,6 +216,19 @@ def build_state(args, tc: TrainConfig) -> tuple[VQModel, torch.optim.Optimizer, 
     return model, opt, step
 
 
+def freeze_codes(model: VQModel, out: Path) -> None:
+    """Fix the image -> token mapping (encoder, quant_conv, codebook); only the decoder keeps
+    training. Tokens made from the export in OUT/codes then stay valid for the final tokenizer,
+    so the target can train on them while the decoder is still being refined."""
+    for m in (model.encoder, model.quant_conv, model.quantize):
+        for p in m.parameters():
+            p.requires_grad_(False)
+    codes_dir = out / "codes"
+    if not (codes_dir / "model.safetensors").exists():
+        export(model, codes_dir, {"note": "encoder and codebook frozen from here on; decoder still training"})
+        print(f"codes frozen; tokenizer for tokenizing exported to {codes_dir}", flush=True)
+
+
 def run(args) -> None:
     torch.set_num_threads(args.threads)
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
@@ -236,7 +249,13 @@ def run(args) -> None:
         log({"step": 0, **evaluate(model, heldout), "params": count_parameters(model)})
     last_ckpt, t0, t_log, s_log = time.time(), time.time(), time.time(), step
     stop = StopFlag()
+    frozen = args.freeze_codes_at is not None and step >= args.freeze_codes_at
+    if frozen:
+        freeze_codes(model, args.out)
     while step < tc.steps:
+        if not frozen and args.freeze_codes_at is not None and step >= args.freeze_codes_at:
+            frozen = True
+            freeze_codes(model, args.out)
         g = torch.Generator().manual_seed(tc.seed * 7919 + step)
         x = shift_white(to_float(train[batch_indices(len(train), step, tc.batch_size, tc.seed)]),
                         tc.max_shift, g)
@@ -244,7 +263,7 @@ def run(args) -> None:
             group["lr"] = lr_at(step, tc)
         stats = train_step(model, opt, x, tc)
         step += 1
-        if tc.restart_every and step % tc.restart_every == 0 and step < 0.8 * tc.steps:
+        if tc.restart_every and step % tc.restart_every == 0 and step < 0.8 * tc.steps and not frozen:
             stats["restarted"] = restart_dead_codes(model, x, g)
         if step % tc.log_every == 0 or step == tc.steps:
             now = time.time()
@@ -281,6 +300,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--export-only", action="store_true",
                    help="export the checkpoint in OUT and exit")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--freeze-codes-at", type=int, default=None, metavar="STEP",
+                   help="from this step on train only the decoder; the tokenizer for tokenizing the "
+                        "dataset is exported to OUT/codes at that step")
     run(p.parse_args(argv))
 
 
