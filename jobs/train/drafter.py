@@ -170,7 +170,8 @@ def run(args) -> dict:
     if args.resume and ckpt_path.exists():
         ckpt = load_checkpoint(ckpt_path)
         drafter.load_state_dict(ckpt["model"], strict=True)
-        opt.load_state_dict(ckpt["optimizer"])
+        if ckpt.get("optimizer"):  # None after `snapshot restore`: fresh moments
+            opt.load_state_dict(ckpt["optimizer"])
         step = int(ckpt["step"])
     t = train.caption_shape[0]
     log = Logger(args.out / "metrics.jsonl")

@@ -264,7 +264,8 @@ def build(args, tc: TrainConfig, train: TokenData, device):
     step = 0
     if ckpt is not None:
         model.load_state_dict(ckpt["model"], strict=True)
-        opt.load_state_dict(ckpt["optimizer"])
+        if ckpt.get("optimizer"):  # None after `snapshot restore`: fresh moments
+            opt.load_state_dict(ckpt["optimizer"])
         step = int(ckpt["step"])
     return model, opt, step
 

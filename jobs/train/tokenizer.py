@@ -211,7 +211,8 @@ def build_state(args, tc: TrainConfig) -> tuple[VQModel, torch.optim.Optimizer, 
     step = 0
     if ckpt:
         model.load_state_dict(ckpt["model"], strict=True)
-        opt.load_state_dict(ckpt["optimizer"])
+        if ckpt.get("optimizer"):  # None after `snapshot restore`: fresh moments
+            opt.load_state_dict(ckpt["optimizer"])
         step = int(ckpt["step"])
     return model, opt, step
 
