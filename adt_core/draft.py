@@ -54,8 +54,7 @@ class TreeProposer:
         feats = self.drafter(tok, hidden, positions, self.cache.attn_mask(causal), self.cache)  # (R, P, dim)
         self.forwards += 1
         self._pending = None
-        self._root_feature = feats[:, -1]
-        return self._root_feature
+        return feats[:, -1]
 
     # ---- drafting -----------------------------------------------------------------------
     def _logp(self, features: torch.Tensor) -> torch.Tensor:

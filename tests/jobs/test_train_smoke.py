@@ -23,6 +23,7 @@ from adt_core.models.text import HashTextEncoder
 from adt_core.models.vq import VQConfig, VQModel, save_pretrained
 from jobs.train import drafter as drafter_job
 from jobs.train import export as export_job
+from jobs.train import snapshot as snapshot_job
 from jobs.train import target as target_job
 from jobs.train import tokenize as tokenize_job
 from jobs.train.target import TokenData, sequence_mask, teacher_forced
@@ -141,6 +142,13 @@ def test_chain_tokenize_train_export_generate(tmp_path):
     assert info["step"] == 3 and np.isfinite(info["heldout_nll"])
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+    # hand-over through git: fp16 snapshot -> restore on a "new machine" -> resume one more step
+    snapshot_job.main(["save", str(run), str(tmp_path / "train_state" / "target")])
+    moved = tmp_path / "target_moved"
+    snapshot_job.main(["restore", str(tmp_path / "train_state" / "target"), str(moved)])
+    info = target_job.main([*common, *tiny, "--tokenizer", str(vq_dir), "--out", str(moved), "--steps", "4",
+                            "--batch-size", "4", "--lr", "1e-2", "--warmup", "1", "--resume"])
+    assert info["step"] == 4 and np.isfinite(info["heldout_nll"])
 
     drun = tmp_path / "drafter"
     dinfo = drafter_job.main([*common, "--target", str(run), "--out", str(drun), "--steps", "3",
