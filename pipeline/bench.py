@@ -20,7 +20,6 @@ batch. Extra flags are JobConfig flags (see
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import statistics

@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from pipeline.storage import Storage, open_storage, parse_uri
+from pipeline.storage import Storage, open_storage
 from pipeline.telemetry import STATUS_OK, TELEMETRY_DIR
 
 log = logging.getLogger(__name__)

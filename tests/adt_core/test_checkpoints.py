@@ -31,15 +31,6 @@ TINY_GPT = GPTConfig(dim=64, n_layer=2, n_head=4, vocab_size=32, cls_token_num=8
 TINY_VQ = VQConfig(codebook_size=32, codebook_embed_dim=4, z_channels=32, ch=32, ch_mult=(1, 1), num_res_blocks=1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a shared CPU: one intra-op thread is far faster than oversubscribing."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---- writers of the published layouts (test fixtures, written from the format facts) ---------
 def tiny_gpt(cfg: GPTConfig = TINY_GPT, seed: int = 0) -> LlamaGenGPT:
     torch.manual_seed(seed)

@@ -34,15 +34,6 @@ from test_t5 import write_tiny_t5
 PROMPTS = ["a red cat sitting on the table", "blue sun over green hills"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a shared CPU: one intra-op thread is far faster than oversubscribing."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def published(tmp_path_factory):
     """One tiny model family written in every published layout (caption 8 x 16, grid 4 x 4)."""
@@ -142,15 +133,6 @@ def test_local_sha256_is_checked(published, tmp_path):
 
 
 # ---- S3 (moto's server on 127.0.0.1) ----------------------------------------------------------
-@pytest.fixture(scope="module")
-def moto_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
 
 
 @pytest.fixture

@@ -15,15 +15,6 @@ from adt_core.models.t5 import T5TextEncoder, clean_caption, preprocess_caption,
 WORDS = "a an the of on in with and photo cat dog red blue green apple table sitting tree grass sun over hills".split()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a shared CPU: one intra-op thread is far faster than oversubscribing."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def write_tiny_t5(d: Path, d_model: int = 16, seed: int = 0) -> Path:
     """A random 1-layer T5 encoder-decoder checkpoint plus a word-level Unigram tokenizer."""
     from transformers import T5Config, T5EncoderModel, T5Tokenizer
