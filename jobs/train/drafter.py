@@ -38,7 +38,7 @@ from torch import nn
 from adt_core.models.drafter import Drafter, DrafterConfig
 from adt_core.models.gpt import LlamaGenGPT
 from adt_core.sampling import cfg_mix
-from jobs.train.target import (TokenData, adamw, autocast, count_parameters, init_weights,
+from jobs.train.target import (TokenData, adamw, add_run_args, autocast, count_parameters, init_weights,
                                load_checkpoint, load_target, lr_at, pick_device, save_checkpoint,
                                teacher_forced)
 from jobs.train.tokenizer import Logger, StopFlag, batch_indices
@@ -242,22 +242,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--target", type=Path, default=Path("runs/target"),
                    help="target run dir (ckpt.pt) or checkpoint file")
     p.add_argument("--out", type=Path, default=Path("runs/drafter"))
-    p.add_argument("--steps", type=int, default=TrainConfig.steps)
-    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
-    p.add_argument("--lr", type=float, default=TrainConfig.lr)
-    p.add_argument("--warmup", type=int, default=TrainConfig.warmup)
     p.add_argument("--noise", type=float, default=TrainConfig.noise)
     p.add_argument("--ce-weight", type=float, default=TrainConfig.ce_weight)
     p.add_argument("--cfg-scale", type=float, default=TrainConfig.cfg_scale)
-    p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every, help="0 = never")
-    p.add_argument("--eval-images", type=int, default=TrainConfig.eval_images)
-    p.add_argument("--log-every", type=int, default=TrainConfig.log_every)
-    p.add_argument("--ckpt-minutes", type=float, default=TrainConfig.ckpt_minutes)
-    p.add_argument("--seed", type=int, default=TrainConfig.seed)
-    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt if present")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--amp", choices=("auto", "bf16", "fp32"), default="auto")
-    p.add_argument("--threads", type=int, default=1)
+    add_run_args(p, TrainConfig)
     return run(p.parse_args(argv))
 
 

@@ -341,6 +341,23 @@ def run(args) -> dict:
     return info
 
 
+def add_run_args(p: argparse.ArgumentParser, tc) -> None:
+    """Flags every training job shares, with defaults from its TrainConfig class `tc`."""
+    p.add_argument("--steps", type=int, default=tc.steps)
+    p.add_argument("--batch-size", type=int, default=tc.batch_size)
+    p.add_argument("--lr", type=float, default=tc.lr)
+    p.add_argument("--warmup", type=int, default=tc.warmup)
+    p.add_argument("--eval-every", type=int, default=tc.eval_every, help="0 = never")
+    p.add_argument("--eval-images", type=int, default=tc.eval_images)
+    p.add_argument("--log-every", type=int, default=tc.log_every)
+    p.add_argument("--ckpt-minutes", type=float, default=tc.ckpt_minutes)
+    p.add_argument("--seed", type=int, default=tc.seed)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt if present")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--amp", choices=("auto", "bf16", "fp32"), default="auto")
+    p.add_argument("--threads", type=int, default=1)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", type=Path, default=Path("data/emoji"),
@@ -354,19 +371,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--multiple-of", type=int, default=256, help="FFN width rounding")
-    p.add_argument("--steps", type=int, default=TrainConfig.steps)
-    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
-    p.add_argument("--lr", type=float, default=TrainConfig.lr)
-    p.add_argument("--warmup", type=int, default=TrainConfig.warmup)
-    p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every, help="0 = never")
-    p.add_argument("--eval-images", type=int, default=TrainConfig.eval_images)
-    p.add_argument("--log-every", type=int, default=TrainConfig.log_every)
-    p.add_argument("--ckpt-minutes", type=float, default=TrainConfig.ckpt_minutes)
-    p.add_argument("--seed", type=int, default=TrainConfig.seed)
-    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt if present")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--amp", choices=("auto", "bf16", "fp32"), default="auto")
-    p.add_argument("--threads", type=int, default=1)
+    add_run_args(p, TrainConfig)
     return run(p.parse_args(argv))
 
 
