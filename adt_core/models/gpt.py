@@ -73,8 +73,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # in fp32, as LlamaGen
         return normed.type_as(x) * self.weight
 
 

@@ -28,11 +28,13 @@ def build_rope_cache(grid_h: int, grid_w: int, cls_len: int, head_dim: int, base
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """x: (B, S, heads, hd); rope: (B, S, hd/2, 2) gathered at the tokens' positions."""
-    xs = x.float().reshape(*x.shape[:-1], -1, 2)  # (B, S, heads, hd/2, 2)
-    cos, sin = rope[:, :, None, :, 0], rope[:, :, None, :, 1]  # (B, S, 1, hd/2)
-    out = torch.stack([xs[..., 0] * cos - xs[..., 1] * sin, xs[..., 1] * cos + xs[..., 0] * sin], dim=-1)
-    return out.flatten(-2).type_as(x)
+    """x: (B, S, heads, hd); rope: (B, S, hd/2, 2) gathered at the tokens' positions.
+
+    Pair (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin): one complex product per pair, in fp32.
+    """
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # (B, S, heads, hd/2)
+    rc = torch.view_as_complex(rope.contiguous())[:, :, None]  # (B, S, 1, hd/2)
+    return torch.view_as_real(xc * rc).flatten(-2).type_as(x)
 
 
 class RopeTable:
