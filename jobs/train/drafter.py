@@ -25,6 +25,7 @@ metrics.jsonl, train_info.json at the end.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -109,8 +110,13 @@ def losses(head, f: torch.Tensor, h: torch.Tensor, ce_weight: float) -> dict[str
     return {"loss": reg + ce_weight * ce, "smooth_l1": reg, "soft_ce": ce, "top1_agree": agree}
 
 
-def build_drafter(target: LlamaGenGPT) -> Drafter:
-    drafter = Drafter(DrafterConfig.for_target(target.config))
+def build_drafter(target: LlamaGenGPT, ffn_dim: int | None = None) -> Drafter:
+    """A drafter for `target`; ffn_dim None = the target's FFN width. A narrower FFN makes every
+    draft level cheaper where forwards are bound by weight reads (CPUs)."""
+    cfg = DrafterConfig.for_target(target.config)
+    if ffn_dim:
+        cfg = dataclasses.replace(cfg, ffn_dim=ffn_dim)
+    drafter = Drafter(cfg)
     init_weights(drafter)
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(target.tok_embeddings.weight)
@@ -163,12 +169,13 @@ def run(args) -> dict:
     target = load_target(args.target).to(device)
     target.requires_grad_(False)
     torch.manual_seed(tc.seed)
-    drafter = build_drafter(target).to(device).train()
+    ckpt_path = args.out / "ckpt.pt"
+    ckpt = load_checkpoint(ckpt_path) if args.resume and ckpt_path.exists() else None
+    ffn_dim = ckpt["drafter_config"]["ffn_dim"] if ckpt else args.ffn_dim  # a resumed run keeps its shape
+    drafter = build_drafter(target, ffn_dim).to(device).train()
     opt = adamw(drafter, tc.lr, tc.weight_decay)
     step = 0
-    ckpt_path = args.out / "ckpt.pt"
-    if args.resume and ckpt_path.exists():
-        ckpt = load_checkpoint(ckpt_path)
+    if ckpt:
         drafter.load_state_dict(ckpt["model"], strict=True)
         if ckpt.get("optimizer"):  # None after `snapshot restore`: fresh moments
             opt.load_state_dict(ckpt["optimizer"])
@@ -242,6 +249,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--target", type=Path, default=Path("runs/target"),
                    help="target run dir (ckpt.pt) or checkpoint file")
     p.add_argument("--out", type=Path, default=Path("runs/drafter"))
+    p.add_argument("--ffn-dim", type=int, default=None,
+                   help="drafter FFN width (default: the target's; only for a new run)")
     p.add_argument("--noise", type=float, default=TrainConfig.noise)
     p.add_argument("--ce-weight", type=float, default=TrainConfig.ce_weight)
     p.add_argument("--cfg-scale", type=float, default=TrainConfig.cfg_scale)
