@@ -24,6 +24,9 @@ for name in tokenizer target drafter; do
     $PY -m jobs.train.snapshot restore "train_state/$name" "runs/$name"
   fi
 done
+if [ -d train_state/tokenizer_final ] && [ ! -d runs/tokenizer/final ]; then
+  mkdir -p runs/tokenizer/final && cp train_state/tokenizer_final/* runs/tokenizer/final/
+fi
 if [ ! -f runs/tokenizer/codes/model.safetensors ]; then
   $PY -m jobs.train.tokenizer --data data/emoji --out runs/tokenizer --export-only --export runs/tokenizer/codes
 fi
