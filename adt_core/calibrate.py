@@ -33,6 +33,7 @@ class Timer:
 @dataclass(frozen=True)
 class CostTable:
     ms: dict[int, float]  # new tokens -> median milliseconds of one target forward
+    draft_level_ms: float = 0.0  # one drafter level (a width-k frontier, all CFG rows, head + top-k)
 
     def ratio(self, n: int) -> float:
         return self.cost(n) / self.ms[min(self.ms)]
@@ -86,3 +87,34 @@ def measure_target_cost(
                 times.append(t1 - t0)
         out[n] = statistics.median(times)
     return CostTable(out)
+
+
+@torch.inference_mode()
+def measure_draft_level(drafter, head, cfg_scale: float, rows: int, width: int = 10, levels: int = 5,
+                        prefix_len: int = 128, repeats: int = 5, warmup: int = 1) -> float:
+    """Median milliseconds of one draft level: (time of a `levels`-level EAGLE-2 proposal minus a
+    1-level one) / (levels - 1), through the real `TreeProposer` on a random prefix."""
+    from adt_core.draft import TreeProposer
+
+    cfg, w = drafter.config, drafter.fc.weight
+    prefix = max(1, min(prefix_len, len(drafter.rope) - levels - 1))
+    proposer = TreeProposer(drafter, head, cfg_scale, rows, prefix + 1 + levels * width)
+    timer = Timer(w.device)
+    hidden = torch.randn(rows, prefix + 1, cfg.dim, device=w.device, dtype=w.dtype)
+    tokens = torch.randint(0, cfg.vocab_size, (prefix + 1,)).tolist()
+
+    def one(depth: int) -> float:
+        proposer.cache.truncate(0)
+        proposer.observe(hidden[:, :prefix], tokens[:prefix], 0)
+        proposer._feed_pending()  # the prefix; only the proposal below is timed
+        proposer.observe(hidden[:, prefix:], tokens[prefix:], prefix)
+        t0 = timer.now()
+        proposer.propose_dynamic(tokens[-1], prefix, depth, width, budget=width * depth)
+        return timer.now() - t0
+
+    diffs = []
+    for i in range(warmup + repeats):
+        full, single = one(levels), one(1)
+        if i >= warmup:
+            diffs.append((full - single) / (levels - 1))
+    return max(statistics.median(diffs), 0.0)

@@ -15,6 +15,7 @@ Expansion shapes:
 from __future__ import annotations
 
 
+import math
 from typing import Callable
 
 import torch
@@ -72,12 +73,15 @@ class TreeProposer:
         return feats
 
     def propose_dynamic(self, root_token: int, root_position: int, depth: int, top_k: int,
-                        budget: int | Callable[[torch.Tensor], int]) -> DraftTree:
+                        budget: int | Callable[[torch.Tensor, int], int], min_confidence: float = 0.0) -> DraftTree:
         """EAGLE-2: expand the top_k best of each level into top_k children; keep `budget` nodes
-        (or `budget(candidate scores)` nodes when it is a function: the cost-aware budget)."""
+        (or `budget(candidate scores, levels built)` nodes when it is a function: the cost-aware
+        budget).
+        Expansion stops early once no candidate of the last level has a path confidence of at
+        least `min_confidence` (0 = always build `depth` levels)."""
         root_feat = self._feed_pending()  # (R, dim)
         return self._expand(
-            root_token, root_position, root_feat, depth, budget,
+            root_token, root_position, root_feat, depth, budget, min_confidence,
             pick=lambda scores, paths: top_frontier(scores, top_k),
             ranks_of=lambda path: list(range(top_k)),
         )
@@ -87,13 +91,13 @@ class TreeProposer:
         root_feat = self._feed_pending()
         shape = static_children(tuple(p for p in paths if len(p) <= depth))
         return self._expand(
-            root_token, root_position, root_feat, depth, budget=len(paths),
+            root_token, root_position, root_feat, depth, len(paths), 0.0,
             pick=lambda scores, node_paths: torch.tensor(
                 [i for i, p in enumerate(node_paths) if p in shape], dtype=torch.long, device=scores.device),
             ranks_of=lambda path: shape.get(path, []),
         )
 
-    def _expand(self, root_token, root_position, root_feat, depth, budget, pick, ranks_of) -> DraftTree:
+    def _expand(self, root_token, root_position, root_feat, depth, budget, min_confidence, pick, ranks_of) -> DraftTree:
         """Level-by-level expansion shared by every tree shape.
 
         pick(level_scores (L,), level_paths) -> which of the level's candidates to expand;
@@ -105,7 +109,10 @@ class TreeProposer:
         parent_feat = root_feat[:, None].expand(-1, level.numel(), -1)  # (R, L, dim) feature of each one's parent
         parent_slot = torch.full((level.numel(),), -1, dtype=torch.long)
         processed = _ProcessedMask(root_feat.device)
+        min_score = math.log(min_confidence) if min_confidence > 0 else -math.inf
         for d in range(2, depth + 1):
+            if float(pool.scores[level].max()) < min_score:  # nothing left that is likely enough
+                break
             chosen = pick(pool.scores[level], [pool.paths[i] for i in level.tolist()])  # (F,) into level
             if chosen.numel() == 0:
                 break
@@ -119,7 +126,7 @@ class TreeProposer:
             parent_feat = feats[:, src]  # (R, L, dim)
             parent_slot = slots[src.cpu()]
         self.cache.truncate(start)
-        n = budget(pool.scores) if callable(budget) else budget
+        n = budget(pool.scores, int(pool.depths.max())) if callable(budget) else budget
         return rerank(pool.candidates(), n, root_token, root_position)
 
 

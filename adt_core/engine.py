@@ -12,6 +12,7 @@ keep the root and the accepted path in the cache, commit accepted tokens + the b
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass, field
 
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from adt_core.adaptive import AdaptiveController, cost_budget
-from adt_core.calibrate import CostTable, Timer, measure_target_cost
+from adt_core.calibrate import CostTable, Timer, measure_draft_level, measure_target_cost
 from adt_core.config import DecodeConfig, SamplingConfig
 from adt_core.draft import TreeProposer
 from adt_core.kv_cache import KVCache
@@ -201,7 +202,7 @@ class Generator:
         return c.tree.budget
 
     def _propose(self, proposer: TreeProposer, ctrl: AdaptiveController | None, root: int, root_pos: int,
-                 index: int, max_depth: int, t_start: float) -> tuple[DraftTree, int]:
+                 index: int, max_depth: int) -> tuple[DraftTree, int]:
         """Draft this round's tree; returns it and the width (top-k) it was expanded with."""
         c = self.config
         if c.method == "static":
@@ -212,8 +213,12 @@ class Generator:
             shape = ctrl.shape(index)
             d, k, budget = shape.depth, shape.width, shape.budget
             if c.adaptive.budget == "cost":
-                costs, timer = self.cost_table(), self.timer
-                budget = lambda scores: cost_budget(scores, costs, timer.now() - t_start, c.adaptive)  # noqa: E731
+                costs, depth = self.cost_table(), min(d, max_depth)
+                budget = lambda scores, levels: cost_budget(scores, costs, levels * costs.draft_level_ms, c.adaptive)  # noqa: E731
+                # one more level adds at most its best path confidence in expected tokens, each
+                # worth one target step: stop drafting once that is below one level's cost
+                return proposer.propose_dynamic(root, root_pos, depth, k, budget,
+                                                min_confidence=costs.draft_level_ms / costs.cost(1)), k
         return proposer.propose_dynamic(root, root_pos, min(d, max_depth), k, budget), k
 
     def cost_table(self) -> CostTable:
@@ -222,7 +227,12 @@ class Generator:
         key = (str(self.device), self.config.dtype, self.cfg_rows)
         if key not in per_model:
             self._place_models()
-            per_model[key] = measure_target_cost(self.bundle.target, rows=self.cfg_rows, repeats=3, warmup=1)
+            table = measure_target_cost(self.bundle.target, rows=self.cfg_rows, repeats=3, warmup=1)
+            if self.bundle.drafter is not None:
+                level = measure_draft_level(self.bundle.drafter, self.bundle.target.head, self.sampling.cfg_scale,
+                                            self.cfg_rows, width=self.config.adaptive.k0, repeats=3)
+                table = dataclasses.replace(table, draft_level_ms=level)
+            per_model[key] = table
         return per_model[key]
 
     def _verify(self, tree: DraftTree, mixed: torch.Tensor, gen: torch.Generator) -> VerifyResult:
@@ -266,7 +276,7 @@ class Generator:
             max_depth = n - index - 1
             ta = self.timer.now()
             if max_depth > 0:
-                tree, width = self._propose(proposer, ctrl, committed[-1], root_pos, index, max_depth, ta)
+                tree, width = self._propose(proposer, ctrl, committed[-1], root_pos, index, max_depth)
             else:
                 tree, width = DraftTree.root_only(committed[-1], root_pos, self.device), 0
             tb = self.timer.now()

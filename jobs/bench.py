@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, LanternConfig, TreeConfig, load_bundle, random_bundle
-from adt_core.calibrate import SIZES, measure_target_cost
+from adt_core.calibrate import SIZES, measure_draft_level, measure_target_cost
 from adt_core.models.bundle import Bundle
 
 def method_specs(lantern: LanternConfig) -> dict[str, dict]:
@@ -33,6 +33,7 @@ def method_specs(lantern: LanternConfig) -> dict[str, dict]:
         "adt": dict(method="adt", adaptive=AdaptiveConfig()),
         "adt+cost": dict(method="adt", adaptive=AdaptiveConfig(budget="cost")),
         "adt+lantern": dict(method="adt", adaptive=AdaptiveConfig(), lantern=lantern),
+        "adt+cost+lantern": dict(method="adt", adaptive=AdaptiveConfig(budget="cost"), lantern=lantern),
     }
 
 
@@ -62,8 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--bundle", default="emoji16", help="bundle name or directory, or 'random' for a random-init one")
     ap.add_argument("--prompts", default="examples/prompts.parquet", help="Parquet with prompt_id, prompt[, seed]")
     ap.add_argument("--limit", type=int, default=8, help="number of prompts to run")
-    ap.add_argument("--methods", default="ar,static,eagle2,adt,adt+lantern",
-                    help="comma list of ar, static, eagle2, adt, adt+cost, adt+lantern")
+    ap.add_argument("--methods", default="ar,static,eagle2,adt,adt+cost,adt+lantern,adt+cost+lantern",
+                    help="comma list of ar, static, eagle2, adt, adt+cost, adt+lantern, adt+cost+lantern")
     ap.add_argument("--lantern-k", type=int, default=100, help="LANTERN: codebook neighbours considered")
     ap.add_argument("--lantern-delta", type=float, default=0.5, help="LANTERN: mass moved per token (lossy)")
     ap.add_argument("--sweep", action="store_true", help="ADT-Tree sensitivity study (temperature 0) instead")
@@ -114,8 +115,13 @@ def calibrate(bundle: Bundle, args) -> dict:
     print(f"{'new tokens':>10} {'ms':>9} {'x 1 token':>10}")
     for n, ms in table.ms.items():
         print(f"{n:>10} {ms:>9.2f} {table.ratio(n):>10.2f}")
+    level = None
+    if bundle.drafter is not None:
+        drafter = bundle.drafter.to(args.device, getattr(torch, args.dtype))
+        level = measure_draft_level(drafter, target.head, bundle.sampling.cfg_scale, rows, repeats=args.repeats)
+        print(f"one draft level (top-10 frontier): {level:.2f} ms = {level / table.cost(1):.2f} x a 1-token step")
     return {"bundle": bundle.name, "params": params, "device": args.device, "dtype": args.dtype, "rows": rows,
-            "ms": table.ms, "ratio": {n: table.ratio(n) for n in table.ms}}
+            "ms": table.ms, "ratio": {n: table.ratio(n) for n in table.ms}, "draft_level_ms": level}
 
 
 def run_method(bundle, spec, temperature, prompts, seeds, args) -> dict:

@@ -91,6 +91,38 @@ def test_cost_budget_prefers_small_trees_when_verification_is_expensive():
     assert cost_budget(scores, steep, 1.0, cfg) <= 3
 
 
+def test_min_confidence_cuts_drafting_depth():
+    """A confidence floor above every path stops after level 1; a zero floor builds every level;
+    a floor between keeps only levels whose best path is at least that likely."""
+    from adt_core.draft import TreeProposer
+
+    bundle = random_bundle(seed=3, vocab=16, grid=(4, 4))
+    drafter, head = bundle.drafter, bundle.target.head
+    dim, t = drafter.config.dim, drafter.config.cls_token_num
+    hidden = torch.randn(1, t, dim, generator=torch.Generator().manual_seed(0))
+
+    def tree(min_conf: float):
+        p = TreeProposer(drafter, head, 1.0, 1, t + 64)
+        p.observe(hidden, list(range(t)), 0)
+        return p.propose_dynamic(1, t, 4, 3, budget=40, min_confidence=min_conf)
+
+    full, cut, mid = tree(0.0), tree(1.0), tree(0.05)
+    assert full.depth == 4 and cut.depth == 1
+    scores = tree(0.0)  # the same tree again: drafting is deterministic
+    assert torch.equal(scores.tokens, full.tokens)
+    assert 1 <= mid.depth <= 4
+
+
+def test_draft_level_cost_is_measured_once_per_generator_model():
+    from adt_core.engine import _COSTS
+
+    bundle = random_bundle(seed=4, vocab=16, grid=(4, 4))
+    gen = Generator(bundle, DecodeConfig(method="adt", temperature=0.0, adaptive=AdaptiveConfig(budget="cost")))
+    table = gen.cost_table()
+    assert table.draft_level_ms >= 0.0 and table.cost(1) > 0
+    assert gen.cost_table() is table and len(_COSTS[bundle.target]) == 1
+
+
 @pytest.mark.parametrize("adaptive", [
     AdaptiveConfig(),
     AdaptiveConfig(init="vertical", mode="step"),
