@@ -97,6 +97,7 @@ def measure_draft_level(drafter, head, cfg_scale: float, rows: int, width: int =
     from adt_core.draft import TreeProposer
 
     cfg, w = drafter.config, drafter.fc.weight
+    width = min(width, cfg.vocab_size)
     prefix = max(1, min(prefix_len, len(drafter.rope) - levels - 1))
     proposer = TreeProposer(drafter, head, cfg_scale, rows, prefix + 1 + levels * width)
     timer = Timer(w.device)

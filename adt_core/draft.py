@@ -15,7 +15,6 @@ Expansion shapes:
 from __future__ import annotations
 
 
-import math
 from typing import Callable
 
 import torch
@@ -77,8 +76,8 @@ class TreeProposer:
         """EAGLE-2: expand the top_k best of each level into top_k children; keep `budget` nodes
         (or `budget(candidate scores, levels built)` nodes when it is a function: the cost-aware
         budget).
-        Expansion stops early once no candidate of the last level has a path confidence of at
-        least `min_confidence` (0 = always build `depth` levels)."""
+        Expansion stops early once the path confidences of the nodes a new level would expand sum
+        to less than `min_confidence` (0 = always build `depth` levels)."""
         root_feat = self._feed_pending()  # (R, dim)
         return self._expand(
             root_token, root_position, root_feat, depth, budget, min_confidence,
@@ -109,12 +108,12 @@ class TreeProposer:
         parent_feat = root_feat[:, None].expand(-1, level.numel(), -1)  # (R, L, dim) feature of each one's parent
         parent_slot = torch.full((level.numel(),), -1, dtype=torch.long)
         processed = _ProcessedMask(root_feat.device)
-        min_score = math.log(min_confidence) if min_confidence > 0 else -math.inf
         for d in range(2, depth + 1):
-            if float(pool.scores[level].max()) < min_score:  # nothing left that is likely enough
-                break
             chosen = pick(pool.scores[level], [pool.paths[i] for i in level.tolist()])  # (F,) into level
             if chosen.numel() == 0:
+                break
+            # a new level adds at most P(the accepted path reaches it) = sum of the expanded paths' confidences
+            if min_confidence > 0 and float(pool.scores[level[chosen]].exp().sum()) < min_confidence:
                 break
             front = level[chosen]  # (F,) pool indices
             rows, slots = processed.add(parent_slot[chosen.cpu()])

@@ -215,8 +215,8 @@ class Generator:
             if c.adaptive.budget == "cost":
                 costs, depth = self.cost_table(), min(d, max_depth)
                 budget = lambda scores, levels: cost_budget(scores, costs, levels * costs.draft_level_ms, c.adaptive)  # noqa: E731
-                # one more level adds at most its best path confidence in expected tokens, each
-                # worth one target step: stop drafting once that is below one level's cost
+                # one more level adds at most the summed confidence of the paths it extends in
+                # expected tokens, each worth one target step: stop once that is below a level's cost
                 return proposer.propose_dynamic(root, root_pos, depth, k, budget,
                                                 min_confidence=costs.draft_level_ms / costs.cost(1)), k
         return proposer.propose_dynamic(root, root_pos, min(d, max_depth), k, budget), k

@@ -5,7 +5,7 @@
 
 Writes the bundle directory of adt_core/models/bundle.py with save_bundle (bundle.json,
 {target,drafter,vq}/config.json + model.safetensors in fp16) plus provenance.json (the runs it
-came from and their final metrics), prints each component's size and refuses a bundle over
+came from and their final metrics) and reference.json (jobs.train.reference), prints each component's size and refuses a bundle over
 --max-mb. The text encoder spec comes from DATA/tokens_meta.json (what the captions were
 encoded with), so the bundle encodes prompts exactly as the training data was encoded.
 """
@@ -21,6 +21,7 @@ from adt_core.config import SamplingConfig
 from adt_core.models.bundle import Bundle, save_bundle
 from adt_core.models.vq import from_pretrained
 from jobs.train.drafter import load_drafter
+from jobs.train.reference import write_reference
 from jobs.train.target import load_target
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -65,6 +66,8 @@ def run(args) -> dict:
                   "train_info": {k: _read_json(Path(v) / "train_info.json") for k, v in runs.items()
                                  if v is not None and Path(v).is_dir()}}
     (out / "provenance.json").write_text(json.dumps(provenance, indent=2))
+    if args.reference:
+        write_reference(out)
     sizes = {p.relative_to(out).as_posix(): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
     total = sum(sizes.values())
     for name, size in sizes.items():
@@ -93,6 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cfg-scale", type=float, default=3.0)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
     p.add_argument("--max-mb", type=float, default=60.0)
+    p.add_argument("--no-reference", dest="reference", action="store_false",
+                   help="skip reference.json (a stored greedy token grid the tests regenerate)")
     return run(p.parse_args(argv))
 
 

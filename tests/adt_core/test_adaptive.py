@@ -92,8 +92,8 @@ def test_cost_budget_prefers_small_trees_when_verification_is_expensive():
 
 
 def test_min_confidence_cuts_drafting_depth():
-    """A confidence floor above every path stops after level 1; a zero floor builds every level;
-    a floor between keeps only levels whose best path is at least that likely."""
+    """Expanded paths' confidences sum to at most 1: a floor above that stops after level 1, a zero
+    floor builds every level, a floor between stops somewhere between."""
     from adt_core.draft import TreeProposer
 
     bundle = random_bundle(seed=3, vocab=16, grid=(4, 4))
@@ -106,7 +106,7 @@ def test_min_confidence_cuts_drafting_depth():
         p.observe(hidden, list(range(t)), 0)
         return p.propose_dynamic(1, t, 4, 3, budget=40, min_confidence=min_conf)
 
-    full, cut, mid = tree(0.0), tree(1.0), tree(0.05)
+    full, cut, mid = tree(0.0), tree(1.5), tree(0.05)
     assert full.depth == 4 and cut.depth == 1
     scores = tree(0.0)  # the same tree again: drafting is deterministic
     assert torch.equal(scores.tokens, full.tokens)

@@ -5,7 +5,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from adt_core import DecodeConfig, Generator, SamplingConfig, TreeConfig, random_bundle
+from adt_core import AdaptiveConfig, DecodeConfig, Generator, SamplingConfig, TreeConfig, random_bundle
+from adt_core.calibrate import CostTable
+from adt_core.engine import _COSTS
 from adt_core.sampling import cfg_mix, target_probs
 
 PROMPTS = ["a red apple on a table", "blue dog", "smiling sun over hills"]
@@ -128,12 +130,17 @@ def marginal_chi2(counts, probs, dims):
 SAMPLING = SamplingConfig(temperature=1.4, top_k=6, top_p=0.92, cfg_scale=2.0)
 
 
-@pytest.mark.parametrize("method,tree", [
-    ("eagle2", TreeConfig(depth=3, top_k=3, budget=8)),
-    ("static", TreeConfig(depth=3, static_paths=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))),
-    ("ar", TreeConfig()),
+ADT_SMALL = dict(d0=3, k0=3, d_min=1, d_max=3, k_min=2, k_max=4, n_min=2, n_max=8)
+
+
+@pytest.mark.parametrize("method,tree,adaptive", [
+    ("eagle2", TreeConfig(depth=3, top_k=3, budget=8), AdaptiveConfig()),
+    ("static", TreeConfig(depth=3, static_paths=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))), AdaptiveConfig()),
+    ("adt", TreeConfig(), AdaptiveConfig(**ADT_SMALL)),
+    ("adt", TreeConfig(), AdaptiveConfig(**ADT_SMALL, init="both", budget="cost")),
+    ("ar", TreeConfig(), AdaptiveConfig()),
 ])
-def test_stochastic_decoding_is_lossless(method, tree):
+def test_stochastic_decoding_is_lossless(method, tree, adaptive):
     """The joint of the first 4 tokens matches the exact target distribution.
 
     Chi-square goodness of fit on the (x1, x2) and (x2, x3) marginals (drafted and bonus tokens
@@ -145,8 +152,11 @@ def test_stochastic_decoding_is_lossless(method, tree):
         bundle.target.output.weight.mul_(0.35)  # flatter p: more mass off the argmax
     prompt = "green frog"
     s = SAMPLING
-    decode = DecodeConfig(method=method, tree=tree, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+    decode = DecodeConfig(method=method, tree=tree, adaptive=adaptive, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                           cfg_scale=s.cfg_scale)
+    if adaptive.budget == "cost":  # a fixed cost table keeps the tree shapes (and the test) deterministic
+        _COSTS[bundle.target] = {("cpu", "float32", 2): CostTable({1: 10.0, 8: 12.0, 16: 16.0, 32: 30.0, 64: 60.0},
+                                                                  draft_level_ms=2.0)}
     probs = exact_joint(bundle, prompt, s, 4)
     counts, res = sample_counts(bundle, decode, 4, 1500, prompt)
     for dims in [(1, 2), (2, 3), (0, 1)]:

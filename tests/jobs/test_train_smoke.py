@@ -174,6 +174,12 @@ def test_chain_tokenize_train_export_generate(tmp_path):
     for a, e in zip(outs["ar"], outs["eagle2"]):
         assert torch.equal(a.tokens, e.tokens)
         assert a.image.shape == (16, 16, 3)
+    # export stored a greedy reference grid that decoding reproduces (greedy EAGLE-2 too)
+    ref = json.loads((tmp_path / "bundle" / "reference.json").read_text())
+    assert ref["min_margin"] >= 0.0 and len(ref["tokens"]) == 8
+    for method in ("ar", "eagle2"):
+        again = Generator(bundle, DecodeConfig(method=method, temperature=0.0)).generate([ref["prompt"]], [ref["seed"]])
+        assert again[0].tokens.tolist() == ref["tokens"]
     # the data loader draws one caption per image, deterministic for a given generator
     td = TokenData(data, "train")
     g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
