@@ -65,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--limit", type=int, default=8, help="number of prompts to run")
     ap.add_argument("--methods", default="ar,static,eagle2,adt,adt+cost,adt+lantern,adt+cost+lantern",
                     help="comma list of ar, static, eagle2, adt, adt+cost, adt+lantern, adt+cost+lantern")
+    ap.add_argument("--no-baseline", dest="baseline", action="store_false",
+                    help="do not add 'ar' (acceptance statistics only: no speedups)")
     ap.add_argument("--lantern-k", type=int, default=100, help="LANTERN: codebook neighbours considered")
     ap.add_argument("--lantern-delta", type=float, default=0.5, help="LANTERN: mass moved per token (lossy)")
     ap.add_argument("--sweep", action="store_true", help="ADT-Tree sensitivity study (temperature 0) instead")
@@ -154,17 +156,17 @@ def run_method(bundle, spec, temperature, prompts, seeds, args) -> dict:
 def compare(bundle, specs: dict[str, dict], temperature, prompts, seeds, args, label: str) -> dict:
     """Run every spec on the same prompts and seeds; print and return one table (ratios vs 'ar')."""
     rows = {m: run_method(bundle, spec, temperature, prompts, seeds, args) for m, spec in specs.items()}
-    base = rows["ar"]["seconds_median"]
-    greedy = (temperature if temperature is not None else bundle.sampling.temperature) == 0
+    ar = rows.get("ar")  # absent with --no-baseline: no speedups, no equality check
+    greedy = ar is not None and (temperature if temperature is not None else bundle.sampling.temperature) == 0
     print(f"\n{label}  ({len(prompts)} prompts, bundle {bundle.name}, {args.device}/{args.dtype}, "
           f"{torch.get_num_threads()} threads)")
     print(f"{'method':<21}{'accept len':>11}{'target fwd':>11}{'draft tok':>10}{'nodes/rnd':>10}{'draft ms':>9}"
           f"{'verify ms':>10}{'s/image':>9}{'speedup':>9}" + ("  equals ar" if greedy else ""))
     table = {}
     for m, r in rows.items():
-        same = all(torch.equal(a.tokens, b.tokens) for a, b in zip(r["results"], rows["ar"]["results"]))
+        same = ar is not None and all(torch.equal(a.tokens, b.tokens) for a, b in zip(r["results"], ar["results"]))
         out = {k: v for k, v in r.items() if k != "results"}
-        out["speedup"] = base / r["seconds_median"]
+        out["speedup"] = ar["seconds_median"] / r["seconds_median"] if ar else float("nan")
         if greedy:
             out["equals_ar"] = same
         table[m] = out
@@ -184,7 +186,7 @@ def bench(bundle: Bundle, args) -> dict:
     unknown = [m for m in methods if m not in specs_all]
     if unknown:
         sys.exit(f"unknown methods {unknown}; known: {sorted(specs_all)}")
-    if "ar" not in methods:
+    if "ar" not in methods and args.baseline:
         methods.insert(0, "ar")
     out = {"bundle": bundle.name, "device": args.device, "dtype": args.dtype, "prompts": len(prompts),
            "threads": torch.get_num_threads(), "tables": {}}
