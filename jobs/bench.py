@@ -46,6 +46,7 @@ def sweep_specs() -> dict[str, dict]:
         out[f"beta={beta}"] = rep(beta=beta)
     out["d in [2,6]"] = rep(d_max=6)
     out["d in [3,10]"] = rep(d_min=3, d_max=10)
+    out["k in [1,16]"] = rep(k_min=1)
     out["k in [2,8]"] = rep(k_max=8)
     out["k in [4,24]"] = rep(k_min=4, k_max=24)
     out["n in [8,32]"] = rep(n_max=32)
