@@ -17,12 +17,9 @@ venv: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# The embedded emoji16 bundle is the default; until its weights are committed, run on a tiny
-# random bundle so the whole job (local Ray, Parquet in, images + telemetry out) still runs.
-RUN_BUNDLE := $(if $(wildcard adt_core/bundles/emoji16/bundle.json),emoji16,random)
-
+# the main job on the embedded emoji16 bundle: local Ray, examples/prompts.parquet, ./outputs/
 run: $(STAMP)
-	$(PY) -m jobs.generate --bundle $(RUN_BUNDLE) $(ARGS)
+	$(PY) -m jobs.generate $(ARGS)
 
 calibrate: $(STAMP)
 	$(PY) -m jobs.bench --calibrate

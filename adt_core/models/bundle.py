@@ -6,6 +6,8 @@ On disk a bundle is a directory:
     target/config.json     GPTConfig fields          target/model.safetensors
     drafter/config.json    DrafterConfig fields      drafter/model.safetensors   (optional)
     vq/config.json         VQConfig fields           vq/model.safetensors
+    provenance.json        (exported bundles) the training runs and their final metrics
+    reference.json         (exported bundles) a stored greedy token grid (jobs/train/reference.py)
 
 `load_bundle("emoji16")` reads the embedded bundle shipped in adt_core/bundles/.
 """
