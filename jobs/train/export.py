@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--text-encoder", default=None, help="override the text encoder spec (JSON)")
     p.add_argument("--out", type=Path, default=Path("adt_core/bundles/emoji16"))
     p.add_argument("--name", default="emoji16")
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-k", type=int, default=150)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--cfg-scale", type=float, default=3.0)
