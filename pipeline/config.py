@@ -48,7 +48,7 @@ class DecodeSettings(_Strict):
     """How each image is decoded; mirrors adt_core's DecodeConfig (None = the bundle's default)."""
 
     method: Literal["ar", "static", "eagle2", "adt"] = Field(
-        "eagle2", description="Decoder: ar (vanilla baseline), static tree, eagle2 (dynamic tree), adt (adaptive tree)."
+        "adt", description="Decoder: ar (vanilla baseline), static tree, eagle2 (dynamic tree), adt (adaptive tree)."
     )
     temperature: Optional[float] = Field(None, ge=0.0, description="Sampling temperature; 0 = greedy; none = bundle default.")
     top_k: Optional[int] = Field(None, ge=0, description="Top-k sampling filter (0 = off); none = bundle default.")
@@ -60,7 +60,9 @@ class DecodeSettings(_Strict):
         None, ge=1, description="Stop after this many image tokens (tests/calibration only); none = whole grid."
     )
     adaptive: Optional[dict[str, Any]] = Field(
-        None, description="ADT-Tree controller overrides (JSON object of AdaptiveConfig fields), method adt only."
+        default_factory=lambda: {"budget": "cost"},
+        description="ADT-Tree controller overrides (JSON object of AdaptiveConfig fields), method adt only; "
+        "the default cost-aware budget sizes trees from this device's measured forward costs.",
     )
     lantern: Optional[dict[str, Any]] = Field(
         None, description="LANTERN relaxed acceptance (JSON object: k, delta, lam); lossy; none = exact decoding."
@@ -268,7 +270,7 @@ def leaf_fields(model: type[BaseModel] = JobConfig, prefix: str = "") -> list[Fi
         if isinstance(tp, type) and issubclass(tp, BaseModel):
             out.extend(leaf_fields(tp, dotted + "."))
             continue
-        default = None if info.default_factory is not None else info.default
+        default = info.default_factory() if info.default_factory is not None else info.default
         out.append(FieldSpec(dotted, tp, optional, default, info.description or ""))
     return out
 

@@ -9,7 +9,7 @@ def test_defaults_fill_job_id_and_output():
     cfg = build_config({})
     assert cfg.job_id and cfg.output == f"outputs/{cfg.job_id}"
     assert cfg.input == "examples/prompts.parquet" and cfg.bundle == "emoji16"
-    assert cfg.decode.method == "eagle2" and cfg.decode.tree.depth == 5
+    assert cfg.decode.method == "adt" and cfg.decode.adaptive == {"budget": "cost"} and cfg.decode.tree.depth == 5
 
 
 def test_file_then_overrides(tmp_path):
