@@ -50,3 +50,19 @@ def test_cuda_bf16_agreement_and_calibration_report():
     for dtype in (torch.float32, torch.bfloat16):
         table = measure_target_cost(bundle.target.to("cuda", dtype), rows=2)
         print(f"cuda {dtype}: " + ", ".join(f"{n} tok {ms:.2f} ms ({table.ratio(n):.2f}x)" for n, ms in table.ms.items()))
+
+
+def test_cuda_emoji16_side_by_side(tmp_path):
+    """The benchmark on the embedded model on CUDA (fp32 greedy, bf16 at the defaults): every
+    lossless method equals `ar` at temperature 0; prints the tables for the closing note."""
+    import json
+
+    from jobs import bench
+
+    out = tmp_path / "bench_cuda.json"
+    assert bench.main(["--device", "cuda", "--limit", "4", "--methods", "ar,eagle2,adt,adt+cost",
+                       "--temperatures", "0", "--json", str(out)]) == 0
+    table = json.loads(out.read_text())["tables"]["0"]
+    assert all(row["equals_ar"] for row in table.values())
+    assert bench.main(["--device", "cuda", "--dtype", "bfloat16", "--limit", "4",
+                       "--methods", "ar,eagle2,adt,adt+cost", "--temperatures", "default"]) == 0
