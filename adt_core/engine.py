@@ -207,19 +207,19 @@ class Generator:
         c = self.config
         if c.method == "static":
             return proposer.propose_static(root, root_pos, c.tree.static_paths, min(c.tree.depth, max_depth)), 0
+        min_confidence = 0.0
         if ctrl is None:
             d, k, budget = c.tree.depth, c.tree.top_k, c.tree.budget
         else:
             shape = ctrl.shape(index)
             d, k, budget = shape.depth, shape.width, shape.budget
             if c.adaptive.budget == "cost":
-                costs, depth = self.cost_table(), min(d, max_depth)
+                costs = self.cost_table()
                 budget = lambda scores, levels: cost_budget(scores, costs, levels * costs.draft_level_ms, c.adaptive)  # noqa: E731
                 # one more level adds at most the summed confidence of the paths it extends in
                 # expected tokens, each worth one target step: stop once that is below a level's cost
-                return proposer.propose_dynamic(root, root_pos, depth, k, budget,
-                                                min_confidence=costs.draft_level_ms / costs.cost(1)), k
-        return proposer.propose_dynamic(root, root_pos, min(d, max_depth), k, budget), k
+                min_confidence = costs.draft_level_ms / costs.cost(1)
+        return proposer.propose_dynamic(root, root_pos, min(d, max_depth), k, budget, min_confidence), k
 
     def cost_table(self) -> CostTable:
         """Target forward cost vs new tokens on this device/dtype, measured once and cached."""

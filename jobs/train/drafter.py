@@ -42,7 +42,7 @@ from adt_core.sampling import cfg_mix
 from jobs.train.target import (TokenData, adamw, add_run_args, autocast, count_parameters, init_weights,
                                load_checkpoint, load_target, lr_at, pick_device, save_checkpoint,
                                teacher_forced)
-from jobs.train.tokenizer import Logger, StopFlag, batch_indices
+from jobs.train.tokenizer import CheckpointClock, Logger, batch_indices, restore
 
 
 @dataclass(frozen=True)
@@ -174,12 +174,7 @@ def run(args) -> dict:
     ffn_dim = ckpt["drafter_config"]["ffn_dim"] if ckpt else args.ffn_dim  # a resumed run keeps its shape
     drafter = build_drafter(target, ffn_dim).to(device).train()
     opt = adamw(drafter, tc.lr, tc.weight_decay)
-    step = 0
-    if ckpt:
-        drafter.load_state_dict(ckpt["model"], strict=True)
-        if ckpt.get("optimizer"):  # None after `snapshot restore`: fresh moments
-            opt.load_state_dict(ckpt["optimizer"])
-        step = int(ckpt["step"])
+    step = restore(ckpt, drafter, opt)
     t = train.caption_shape[0]
     log = Logger(args.out / "metrics.jsonl")
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
@@ -194,8 +189,8 @@ def run(args) -> dict:
 
     if step == 0 and tc.eval_every:
         log({"step": 0, **evaluate(target, drafter, heldout, tc, device, args.amp)})
-    stop = StopFlag()
-    last_ckpt, t0, t_log, s_log = time.time(), time.time(), time.time(), step
+    clock = CheckpointClock(tc.ckpt_minutes, save)
+    t0, t_log, s_log = time.time(), time.time(), step
     window: list[dict[str, float]] = []
     while step < tc.steps:
         g = torch.Generator().manual_seed(tc.seed * 7919 + step)
@@ -222,11 +217,7 @@ def run(args) -> dict:
             if tc.eval_every and (step % tc.eval_every == 0 or step == tc.steps):
                 rec.update(evaluate(target, drafter, heldout, tc, device, args.amp))
             log(rec)
-        if time.time() - last_ckpt > tc.ckpt_minutes * 60 or step == tc.steps or stop.stop:
-            save(step)
-            last_ckpt = time.time()
-        if stop.stop:
-            print(f"stopped by signal at step {step}; checkpoint saved", flush=True)
+        if clock.tick(step, step == tc.steps):
             return {"step": step, "stopped": True}
     info = {"step": step, "params": count_parameters(drafter), "config": drafter.config.to_dict(),
             **(evaluate(target, drafter, heldout, tc, device, args.amp) if tc.eval_every else {})}

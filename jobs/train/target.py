@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from adt_core.models.gpt import GPTConfig, LlamaGenGPT
-from jobs.train.tokenizer import Logger, StopFlag, batch_indices
+from jobs.train.tokenizer import CheckpointClock, Logger, batch_indices, restore
 
 
 @dataclass(frozen=True)
@@ -261,13 +261,7 @@ def build(args, tc: TrainConfig, train: TokenData, device):
     init_weights(model)
     model.to(device).train()
     opt = adamw(model, tc.lr, tc.weight_decay)
-    step = 0
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"], strict=True)
-        if ckpt.get("optimizer"):  # None after `snapshot restore`: fresh moments
-            opt.load_state_dict(ckpt["optimizer"])
-        step = int(ckpt["step"])
-    return model, opt, step
+    return model, opt, restore(ckpt, model, opt)
 
 
 def run(args) -> dict:
@@ -300,8 +294,8 @@ def run(args) -> dict:
 
     if step == 0 and tc.eval_every:
         log({"step": 0, **eval_record(), "params": count_parameters(model)})
-    stop = StopFlag()
-    last_ckpt, t0, t_log, s_log = time.time(), time.time(), time.time(), step
+    clock = CheckpointClock(tc.ckpt_minutes, save)
+    t0, t_log, s_log = time.time(), time.time(), step
     losses: list[float] = []
     while step < tc.steps:
         g = torch.Generator().manual_seed(tc.seed * 7919 + step)
@@ -328,11 +322,7 @@ def run(args) -> dict:
             if tc.eval_every and (step % tc.eval_every == 0 or step == tc.steps):
                 rec.update(eval_record())
             log(rec)
-        if time.time() - last_ckpt > tc.ckpt_minutes * 60 or step == tc.steps or stop.stop:
-            save(step)
-            last_ckpt = time.time()
-        if stop.stop:
-            print(f"stopped by signal at step {step}; checkpoint saved", flush=True)
+        if clock.tick(step, step == tc.steps):
             return {"step": step, "stopped": True}
     info = {"step": step, "params": count_parameters(model), "config": cfg.to_dict(),
             **(eval_record() if tc.eval_every else {})}

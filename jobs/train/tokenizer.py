@@ -174,16 +174,36 @@ def export(model: VQModel, directory: Path, info: dict) -> None:
 # ---------------------------------------------------------------- main loop
 
 
-class StopFlag:
-    """Set by SIGTERM / SIGINT so the loop can checkpoint before exiting."""
+class CheckpointClock:
+    """When a training loop saves: every `minutes`, at the last step, and on SIGTERM / SIGINT,
+    after which the loop stops (the run resumes from that checkpoint)."""
 
-    def __init__(self):
-        self.stop = False
+    def __init__(self, minutes: float, save) -> None:
+        self.minutes, self.save, self.last, self.stop = minutes, save, time.time(), False
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._set)
 
     def _set(self, signum, frame) -> None:
         self.stop = True
+
+    def tick(self, step: int, last_step: bool) -> bool:
+        """Save if due; True when the loop must stop now."""
+        if time.time() - self.last > self.minutes * 60 or last_step or self.stop:
+            self.save(step)
+            self.last = time.time()
+        if self.stop:
+            print(f"stopped by signal at step {step}; checkpoint saved", flush=True)
+        return self.stop
+
+
+def restore(ckpt: dict | None, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Load a resumed run's weights and, when kept, its optimizer moments; returns its step (0 = new)."""
+    if not ckpt:
+        return 0
+    model.load_state_dict(ckpt["model"], strict=True)
+    if ckpt.get("optimizer"):  # None after `snapshot restore`: fresh moments
+        opt.load_state_dict(ckpt["optimizer"])
+    return int(ckpt["step"])
 
 
 class Logger:
@@ -208,13 +228,7 @@ def build_state(args, tc: TrainConfig) -> tuple[VQModel, torch.optim.Optimizer, 
     model = VQModel(cfg).train()
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(0.9, 0.99),
                             weight_decay=tc.weight_decay)
-    step = 0
-    if ckpt:
-        model.load_state_dict(ckpt["model"], strict=True)
-        if ckpt.get("optimizer"):  # None after `snapshot restore`: fresh moments
-            opt.load_state_dict(ckpt["optimizer"])
-        step = int(ckpt["step"])
-    return model, opt, step
+    return model, opt, restore(ckpt, model, opt)
 
 
 def freeze_codes(model: VQModel, out: Path) -> None:
@@ -248,8 +262,8 @@ def run(args) -> None:
           f"train={len(train)} heldout={len(heldout)}", flush=True)
     if step == 0:
         log({"step": 0, **evaluate(model, heldout), "params": count_parameters(model)})
-    last_ckpt, t0, t_log, s_log = time.time(), time.time(), time.time(), step
-    stop = StopFlag()
+    t0, t_log, s_log = time.time(), time.time(), step
+    clock = CheckpointClock(tc.ckpt_minutes, lambda s: save_checkpoint(args.out / "ckpt.pt", model, opt, s, tc))
     frozen = args.freeze_codes_at is not None and step >= args.freeze_codes_at
     if frozen:
         freeze_codes(model, args.out)
@@ -274,11 +288,7 @@ def run(args) -> None:
             if step % tc.eval_every == 0 or step == tc.steps:
                 stats.update(evaluate(model, heldout))
             log({"step": step, **stats})
-        if time.time() - last_ckpt > tc.ckpt_minutes * 60 or step == tc.steps or stop.stop:
-            save_checkpoint(args.out / "ckpt.pt", model, opt, step, tc)
-            last_ckpt = time.time()
-        if stop.stop:
-            print(f"stopped by signal at step {step}; checkpoint saved", flush=True)
+        if clock.tick(step, step == tc.steps):
             return
     final = evaluate(model, heldout)
     export(model, export_dir, {"step": step, "params": count_parameters(model), **final,
