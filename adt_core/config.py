@@ -10,11 +10,28 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 METHODS = ("ar", "static", "eagle2", "adt")
 DTYPES = ("float32", "bfloat16", "float16")
+SAMPLERS = ("coupled", "rejection")
+DRAFT_SCORES = ("perturbed", "logq")
+
+
+def _check(ok: bool, field_name: str, rule: str, value: Any) -> None:
+    """Raise ValueError naming the field (dotted) when a validation rule fails."""
+    if not ok:
+        raise ValueError(f"{field_name} must be {rule}, got {value!r}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass(frozen=True)
@@ -33,14 +50,12 @@ class SamplingConfig:
     cfg_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.cfg_scale < 1.0:
-            raise ValueError(f"cfg_scale must be >= 1, got {self.cfg_scale}")
+        _check(_is_real(self.temperature) and self.temperature >= 0, "temperature", "a finite number >= 0",
+               self.temperature)
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0", self.top_k)
+        _check(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
+        _check(_is_real(self.cfg_scale) and self.cfg_scale >= 1.0, "cfg_scale", "a finite number >= 1",
+               self.cfg_scale)
 
     @property
     def greedy(self) -> bool:
@@ -68,8 +83,9 @@ class TreeConfig:
     static_paths: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.depth < 1 or self.top_k < 1 or self.budget < 1:
-            raise ValueError(f"tree depth, top_k and budget must be >= 1, got {self}")
+        for name in ("depth", "top_k", "budget"):
+            v = getattr(self, name)
+            _check(_is_int(v) and v >= 1, f"tree.{name}", "an integer >= 1", v)
         if self.static_paths is not None:
             object.__setattr__(self, "static_paths", tuple(tuple(int(i) for i in p) for p in self.static_paths))
             paths = set(self.static_paths)
@@ -100,6 +116,19 @@ class AdaptiveConfig:
     l_k: int = 2
     budget: str = "shape"  # shape | cost
 
+    def __post_init__(self) -> None:
+        f = lambda name: f"adaptive.{name}"  # noqa: E731
+        for name in ("d0", "k0", "d_min", "d_max", "k_min", "k_max", "n_min", "n_max", "l_d", "l_k"):
+            v = getattr(self, name)
+            _check(_is_int(v) and v >= 1, f(name), "an integer >= 1", v)
+        _check(_is_real(self.beta) and 0.0 <= self.beta <= 1.0, f("beta"), "in [0, 1]", self.beta)
+        _check(_is_real(self.gamma) and self.gamma > 0, f("gamma"), "a finite number > 0", self.gamma)
+        for lo, hi in (("d_min", "d_max"), ("k_min", "k_max"), ("n_min", "n_max")):
+            _check(getattr(self, lo) <= getattr(self, hi), f(lo), f"<= {f(hi)} ({getattr(self, hi)})", getattr(self, lo))
+        _check(self.init in ("horizontal", "vertical", "both"), f("init"), "horizontal, vertical or both", self.init)
+        _check(self.mode in ("bisect", "step"), f("mode"), "bisect or step", self.mode)
+        _check(self.budget in ("shape", "cost"), f("budget"), "shape or cost", self.budget)
+
 
 @dataclass(frozen=True)
 class LanternConfig:
@@ -109,6 +138,12 @@ class LanternConfig:
     delta: float = 0.5
     lam: float | None = None
 
+    def __post_init__(self) -> None:
+        _check(_is_int(self.k) and self.k >= 1, "lantern.k", "an integer >= 1", self.k)
+        _check(_is_real(self.delta) and 0.0 <= self.delta <= 1.0, "lantern.delta", "in [0, 1]", self.delta)
+        _check(self.lam is None or (_is_real(self.lam) and self.lam >= 1.0), "lantern.lam", "none or a number >= 1",
+               self.lam)
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -117,7 +152,14 @@ class DecodeConfig:
     method: "ar" (vanilla, the baseline), "static" (fixed tree), "eagle2" (dynamic tree),
         "adt" (adjacency-adaptive tree).
     temperature / top_k / top_p / cfg_scale: None takes the bundle's defaults.
-    device: "cpu", "cuda", "cuda:0", ...; dtype: "float32" | "bfloat16" | "float16".
+    sampler: "coupled" (default: Gumbel-max noise fixed per (seed, position, token); every method
+        gives AR's tokens for the same seed) or "rejection" (recursive rejection sampling,
+        lossless in distribution only). Ignored when greedy (temperature 0).
+    draft_score: path score of coupled drafts for EAGLE-2 reranking and the cost budget:
+        "perturbed" (log-softmax of the drafter's warped logits plus the noise: a match
+        probability) or "logq" (cumulative log q, EAGLE-2's own); see docs/adt_tree.md.
+    device: "cpu", "cuda", "cuda:0", ...; dtype: "float32" | "bfloat16" | "float16" (or the
+        torch dtype).
     max_tokens: stop after this many image tokens (None = the whole grid); the rest of the
         grid is filled with token 0. For tests and calibration only.
     """
@@ -130,15 +172,24 @@ class DecodeConfig:
     tree: TreeConfig = field(default_factory=TreeConfig)
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     lantern: LanternConfig | None = None
+    sampler: str = "coupled"
+    draft_score: str = "perturbed"
     device: str = "cpu"
     dtype: str = "float32"
     max_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.dtype, str):  # a torch.dtype: store its name
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
+        _check(self.method in METHODS, "method", f"one of {METHODS}", self.method)
+        _check(self.dtype in DTYPES, "dtype", f"one of {DTYPES}", self.dtype)
+        _check(self.sampler in SAMPLERS, "sampler", f"one of {SAMPLERS}", self.sampler)
+        _check(self.draft_score in DRAFT_SCORES, "draft_score", f"one of {DRAFT_SCORES}", self.draft_score)
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+               "none or an integer >= 1", self.max_tokens)
+        for name in ("temperature", "top_k", "top_p", "cfg_scale"):
+            if getattr(self, name) is not None:  # full check with the bundle's defaults in sampling()
+                SamplingConfig(**{name: getattr(self, name)})
         if self.method == "static" and self.tree.static_paths is None:
             object.__setattr__(self, "tree", dataclasses.replace(self.tree, static_paths=default_static_paths()))
 

@@ -15,19 +15,50 @@ Expansion shapes:
 from __future__ import annotations
 
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from adt_core.config import SamplingConfig
 from adt_core.kv_cache import KVCache
 from adt_core.models.drafter import Drafter
-from adt_core.sampling import cfg_mix
+from adt_core.sampling import cfg_mix, warp
 from adt_core.tree import CandidatePool, DraftTree, rerank, static_children, top_frontier
+
+SCORE_FLOOR = -1e4  # log-score floor: a child of a removed (-inf) token still scores below its parent
+
+
+@dataclass(frozen=True)
+class DraftScorer:
+    """How a level's children are picked and scored from the drafter's CFG-mixed logits.
+
+    Plain (greedy, or the rejection sampler): children = top-k of log q, score = log q.
+    Coupled (`coupled` set): children = top-k of (warped q logits + the level's Gumbel row),
+    the same noise the target's perturbed argmax uses at that position; the score is the
+    log-softmax of those perturbed logits (`perturbed`: the probability that the target's
+    perturbed argmax lands on the child if the two models' log-probs differ by i.i.d. Gumbel
+    errors) or the warped log q (`logq`, EAGLE-2's path confidence).
+    """
+
+    coupled: SamplingConfig | None = None
+    perturbed: bool = True
+
+    def __call__(self, mixed: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """mixed (F, V) draft logits, noise (V,) or None -> (select key (F, V), score (F, V))."""
+        if self.coupled is None or noise is None:
+            logq = mixed.float().log_softmax(-1)
+            return logq, logq
+        warped = warp(mixed, self.coupled)  # (F, V), removed tokens -inf
+        pert = warped + noise.to(warped.dtype)
+        score = (pert if self.perturbed else warped).log_softmax(-1).clamp(min=SCORE_FLOOR)
+        return pert, score
 
 
 class TreeProposer:
-    def __init__(self, drafter: Drafter, head, cfg_scale: float, rows: int, max_len: int) -> None:
-        self.drafter, self.head, self.cfg_scale = drafter, head, cfg_scale
+    def __init__(self, drafter: Drafter, head, cfg_scale: float, rows: int, max_len: int,
+                 scorer: DraftScorer = DraftScorer()) -> None:
+        self.drafter, self.head, self.cfg_scale, self.scorer = drafter, head, cfg_scale, scorer
         self.cache: KVCache = drafter.new_cache(rows, max_len)
         self.rows = rows
         self._pending: tuple[torch.Tensor, torch.Tensor, int] | None = None
@@ -57,9 +88,12 @@ class TreeProposer:
         return feats[:, -1]
 
     # ---- drafting -----------------------------------------------------------------------
-    def _logp(self, features: torch.Tensor) -> torch.Tensor:
-        """features (R, F, dim) -> CFG-mixed draft log-probabilities (F, V)."""
-        return cfg_mix(self.head(features), self.cfg_scale)[0].log_softmax(-1)
+    def _score(self, features: torch.Tensor, noise: torch.Tensor | None, level: int):
+        """features (R, F, dim) -> (select key, score), each (F, V), for children at depth `level`.
+
+        noise: (levels, V) Gumbel rows of the drafted positions (row level - 1), or None."""
+        row = None if noise is None else noise[level - 1]
+        return self.scorer(cfg_mix(self.head(features), self.cfg_scale)[0], row)
 
     def _run_level(self, tokens: torch.Tensor, parent_feats: torch.Tensor, position: int,
                    tree_mask: torch.Tensor, start: int) -> torch.Tensor:
@@ -72,31 +106,35 @@ class TreeProposer:
         return feats
 
     def propose_dynamic(self, root_token: int, root_position: int, depth: int, top_k: int,
-                        budget: int | Callable[[torch.Tensor, int], int], min_confidence: float = 0.0) -> DraftTree:
+                        budget: int | Callable[[torch.Tensor, int], int], min_confidence: float = 0.0,
+                        noise: torch.Tensor | None = None) -> DraftTree:
         """EAGLE-2: expand the top_k best of each level into top_k children; keep `budget` nodes
         (or `budget(candidate scores, levels built)` nodes when it is a function: the cost-aware
         budget).
         Expansion stops early once the path confidences of the nodes a new level would expand sum
-        to less than `min_confidence` (0 = always build `depth` levels)."""
+        to less than `min_confidence` (0 = always build `depth` levels).
+        noise: (depth, V) Gumbel rows of the drafted positions for coupled drafting, or None."""
         root_feat = self._feed_pending()  # (R, dim)
         return self._expand(
-            root_token, root_position, root_feat, depth, budget, min_confidence,
+            root_token, root_position, root_feat, depth, budget, min_confidence, noise,
             pick=lambda scores, paths: top_frontier(scores, top_k),
             ranks_of=lambda path: list(range(top_k)),
         )
 
-    def propose_static(self, root_token: int, root_position: int, paths: tuple[tuple[int, ...], ...], depth: int) -> DraftTree:
+    def propose_static(self, root_token: int, root_position: int, paths: tuple[tuple[int, ...], ...], depth: int,
+                       noise: torch.Tensor | None = None) -> DraftTree:
         """A fixed tree: node path -> child ranks from `paths` (levels beyond `depth` dropped)."""
         root_feat = self._feed_pending()
         shape = static_children(tuple(p for p in paths if len(p) <= depth))
         return self._expand(
-            root_token, root_position, root_feat, depth, len(paths), 0.0,
+            root_token, root_position, root_feat, depth, len(paths), 0.0, noise,
             pick=lambda scores, node_paths: torch.tensor(
                 [i for i, p in enumerate(node_paths) if p in shape], dtype=torch.long, device=scores.device),
             ranks_of=lambda path: shape.get(path, []),
         )
 
-    def _expand(self, root_token, root_position, root_feat, depth, budget, min_confidence, pick, ranks_of) -> DraftTree:
+    def _expand(self, root_token, root_position, root_feat, depth, budget, min_confidence, noise, pick,
+                ranks_of) -> DraftTree:
         """Level-by-level expansion shared by every tree shape.
 
         pick(level_scores (L,), level_paths) -> which of the level's candidates to expand;
@@ -104,7 +142,7 @@ class TreeProposer:
         """
         start = self.cache.length
         pool = _Pool(root_feat.device)
-        level, src = pool.add_children(self._logp(root_feat[:, None]), [-1], [()], ranks_of, depth=1)
+        level, src = pool.add_children(self._score(root_feat[:, None], noise, 1), [-1], [()], ranks_of, depth=1)
         parent_feat = root_feat[:, None].expand(-1, level.numel(), -1)  # (R, L, dim) feature of each one's parent
         parent_slot = torch.full((level.numel(),), -1, dtype=torch.long)
         processed = _ProcessedMask(root_feat.device)
@@ -118,7 +156,7 @@ class TreeProposer:
             front = level[chosen]  # (F,) pool indices
             rows, slots = processed.add(parent_slot[chosen.cpu()])
             feats = self._run_level(pool.tokens[front], parent_feat[:, chosen], root_position + d - 1, rows, start)
-            level, src = pool.add_children(self._logp(feats), front.tolist(),
+            level, src = pool.add_children(self._score(feats, noise, d), front.tolist(),
                                            [pool.paths[i] for i in front.tolist()], ranks_of, depth=d)
             if level.numel() == 0:
                 break
@@ -138,14 +176,18 @@ class _Pool:
         self.tokens, self.parents, self.depths, self.scores = e, e, e, torch.zeros(0, device=device)
         self.paths: list[tuple[int, ...]] = []
 
-    def add_children(self, logp, parents: list[int], parent_paths, ranks_of, depth: int):
-        """logp (F, V) of F expanded nodes -> append their children; return (new pool idx, src row)."""
-        ranks = [ranks_of(p) for p in parent_paths]
+    def add_children(self, scored, parents: list[int], parent_paths, ranks_of, depth: int):
+        """scored = (select key, score), each (F, V), of F expanded nodes -> append their children
+        (top ranks of the key, scored by the score); return (new pool idx, src row)."""
+        select, score = scored
+        v = select.shape[-1]
+        ranks = [[r for r in ranks_of(p) if r < v] for p in parent_paths]  # a node has at most V children
         kmax = max((max(r) + 1 for r in ranks if r), default=0)
         if kmax == 0:
             e = torch.zeros(0, dtype=torch.long, device=self.device)
             return e, e
-        top = torch.topk(logp, kmax, dim=-1)  # (F, kmax)
+        top = torch.topk(select, kmax, dim=-1)  # (F, kmax)
+        values = score.gather(-1, top.indices)  # (F, kmax)
         src = [f for f, rs in enumerate(ranks) for _ in rs]
         rank = [r for rs in ranks for r in rs]
         sf = torch.tensor(src, dtype=torch.long, device=self.device)
@@ -156,7 +198,7 @@ class _Pool:
         self.tokens = torch.cat([self.tokens, top.indices[sf, sr]])
         self.parents = torch.cat([self.parents, par])
         self.depths = torch.cat([self.depths, torch.full_like(par, depth)])
-        self.scores = torch.cat([self.scores, parent_score + top.values[sf, sr].float()])
+        self.scores = torch.cat([self.scores, parent_score + values[sf, sr].float()])
         self.paths += [parent_paths[f] + (r,) for f, r in zip(src, rank)]
         return torch.arange(base, base + len(src), device=self.device), sf
 

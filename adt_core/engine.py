@@ -22,13 +22,14 @@ import torch
 from adt_core.adaptive import AdaptiveController, cost_budget
 from adt_core.calibrate import CostTable, Timer, measure_draft_level, measure_target_cost
 from adt_core.config import DecodeConfig, SamplingConfig
-from adt_core.draft import TreeProposer
+from adt_core.draft import DraftScorer, TreeProposer
 from adt_core.kv_cache import KVCache
 from adt_core.models.bundle import Bundle
-from adt_core.sampling import cfg_mix, target_probs
+from adt_core.noise import gumbel
+from adt_core.sampling import cfg_mix, perturbed, target_probs
 from adt_core.tree import DraftTree
 from adt_core.lantern import relaxation_for
-from adt_core.verify import Relaxation, VerifyResult, verify_greedy, verify_stochastic
+from adt_core.verify import Relaxation, VerifyResult, verify_coupled, verify_greedy, verify_stochastic
 
 # measured target costs: model -> {(device, dtype, rows): table}; entries die with the model
 _COSTS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, CostTable]]" = weakref.WeakKeyDictionary()
@@ -59,6 +60,7 @@ class StepStats:
     batch_size: int = 1  # images decoded together (AR batches share one wall time)
     rounds: list[RoundTrace] = field(default_factory=list)
     lossy: bool = False  # True when a relaxed (LANTERN) acceptance was used
+    sampler: str = "greedy"  # "greedy" (temperature 0), "coupled" or "rejection": what drew the tokens
     estimated_speedup: float | None = None
 
     @property
@@ -113,6 +115,10 @@ class Generator:
         self.num_tokens = tc.num_image_tokens if config.max_tokens is None else min(config.max_tokens, tc.num_image_tokens)
         self.timer = Timer(self.device)
         self._relax: Relaxation | None = None
+        # what draws the tokens: the argmax (greedy), fixed Gumbel noise (coupled) or generators (rejection)
+        self.sampler = "greedy" if self.sampling.greedy else config.sampler
+        coupled = self.sampling if self.sampler == "coupled" else None
+        self.scorer = DraftScorer(coupled, perturbed=config.draft_score == "perturbed")
 
     # ---- public -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -122,11 +128,13 @@ class Generator:
         self._place_models()
         captions, cmask = self.bundle.text_encoder.encode(list(prompts))  # (B, T, C), (B, T)
         captions, cmask = captions.to(self.device), cmask.to(self.device)
+        seed_t = torch.tensor([int(s) for s in seeds], dtype=torch.long, device=self.device)  # (B,)
         gens = [torch.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
         if self.config.method == "ar":
-            tokens, stats = self._decode_ar(captions, cmask, gens)
+            tokens, stats = self._decode_ar(captions, cmask, gens, seed_t)
         else:
-            outs = [self._decode_speculative(captions[i : i + 1], cmask[i : i + 1], gens[i]) for i in range(len(prompts))]
+            outs = [self._decode_speculative(captions[i : i + 1], cmask[i : i + 1], gens[i], seed_t[i : i + 1])
+                    for i in range(len(prompts))]
             tokens = torch.stack([t for t, _ in outs])
             stats = [s for _, s in outs]
             costs = self.cost_table()
@@ -165,31 +173,40 @@ class Generator:
         logits, hidden = self.bundle.target(positions, cache.attn_mask(causal), cache, captions=rows)
         return logits[:, -1], hidden
 
-    def _sample(self, mixed: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
-        """mixed (B, V) -> (B,) tokens: argmax when greedy, else one draw per image generator."""
-        if self.sampling.greedy:
-            return mixed.argmax(-1)
-        probs = target_probs(mixed, self.sampling)
-        return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(gens)])
+    def noise(self, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """Coupled Gumbel rows: seeds (B,), image positions (B, P) -> (B, P, V); None unless coupled."""
+        if self.sampler != "coupled":
+            return None
+        return gumbel(seeds, positions, self.bundle.target.config.vocab_size)
+
+    def _sample(self, mixed: torch.Tensor, gens: list[torch.Generator], seeds: torch.Tensor, index: int) -> torch.Tensor:
+        """mixed (B, V) -> (B,) tokens for image position `index`: the argmax when greedy, the
+        perturbed argmax when coupled, else one multinomial draw per image generator."""
+        if self.sampler == "rejection":
+            probs = target_probs(mixed, self.sampling)
+            return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(gens)])
+        pos = torch.full((seeds.numel(), 1), index, dtype=torch.long, device=self.device)
+        noise = self.noise(seeds, pos)
+        return perturbed(mixed, self.sampling, None if noise is None else noise[:, 0]).argmax(-1)
 
     # ---- vanilla autoregressive ---------------------------------------------------------
-    def _decode_ar(self, captions, cmask, gens) -> tuple[torch.Tensor, list[StepStats]]:
+    def _decode_ar(self, captions, cmask, gens, seeds) -> tuple[torch.Tensor, list[StepStats]]:
         b, t = captions.shape[:2]
         n, target = self.num_tokens, self.bundle.target
         t0 = self.timer.now()
         cache = target.new_cache(b * self.cfg_rows, t + n)
         logits, _ = self._prefill(captions, cmask, cache)
         tokens = torch.zeros(b, target.config.num_image_tokens, dtype=torch.long, device=self.device)
-        tokens[:, 0] = self._sample(cfg_mix(logits, self.sampling.cfg_scale), gens)
+        tokens[:, 0] = self._sample(cfg_mix(logits, self.sampling.cfg_scale), gens, seeds, 0)
         one = torch.ones(1, 1, dtype=torch.bool, device=self.device)
         for i in range(1, n):
             inp = tokens[:, i - 1 : i].repeat(self.cfg_rows, 1)  # (R, 1)
             pos = torch.tensor([t + i - 1], device=self.device)
             logits, _ = target(pos, cache.attn_mask(one), cache, tokens=inp)
-            tokens[:, i] = self._sample(cfg_mix(logits[:, -1], self.sampling.cfg_scale), gens)
+            tokens[:, i] = self._sample(cfg_mix(logits[:, -1], self.sampling.cfg_scale), gens, seeds, i)
         total = self.timer.now() - t0
-        stats = [StepStats(target_forwards=n, total_ms=total, verify_ms=total, batch_size=b, estimated_speedup=1.0)
-                 for _ in range(b)]
+        stats = [StepStats(target_forwards=n, total_ms=total, verify_ms=total, batch_size=b, estimated_speedup=1.0,
+                           sampler=self.sampler) for _ in range(b)]
         return tokens, stats
 
     # ---- speculative --------------------------------------------------------------------
@@ -202,11 +219,14 @@ class Generator:
         return c.tree.budget
 
     def _propose(self, proposer: TreeProposer, ctrl: AdaptiveController | None, root: int, root_pos: int,
-                 index: int, max_depth: int) -> tuple[DraftTree, int]:
-        """Draft this round's tree; returns it and the width (top-k) it was expanded with."""
+                 index: int, max_depth: int, noise: torch.Tensor | None) -> tuple[DraftTree, int]:
+        """Draft this round's tree; returns it and the width (top-k) it was expanded with.
+
+        noise: (levels, V) coupled Gumbel rows of image positions index, index + 1, ... or None."""
         c = self.config
         if c.method == "static":
-            return proposer.propose_static(root, root_pos, c.tree.static_paths, min(c.tree.depth, max_depth)), 0
+            tree = proposer.propose_static(root, root_pos, c.tree.static_paths, min(c.tree.depth, max_depth), noise)
+            return tree, 0
         min_confidence = 0.0
         if ctrl is None:
             d, k, budget = c.tree.depth, c.tree.top_k, c.tree.budget
@@ -219,7 +239,7 @@ class Generator:
                 # one more level adds at most the summed confidence of the paths it extends in
                 # expected tokens, each worth one target step: stop once that is below a level's cost
                 min_confidence = costs.draft_level_ms / costs.cost(1)
-        return proposer.propose_dynamic(root, root_pos, min(d, max_depth), k, budget, min_confidence), k
+        return proposer.propose_dynamic(root, root_pos, min(d, max_depth), k, budget, min_confidence, noise), k
 
     def cost_table(self) -> CostTable:
         """Target forward cost vs new tokens on this device/dtype, measured once and cached."""
@@ -235,10 +255,14 @@ class Generator:
             per_model[key] = table
         return per_model[key]
 
-    def _verify(self, tree: DraftTree, mixed: torch.Tensor, gen: torch.Generator) -> VerifyResult:
+    def _verify(self, tree: DraftTree, mixed: torch.Tensor, gen: torch.Generator,
+                noise: torch.Tensor | None) -> VerifyResult:
+        """mixed (n+1, V) target logits at the tree's nodes; noise (levels + 1, V) rows by depth."""
         relax = self.relaxation()
-        if self.sampling.greedy:
+        if self.sampler == "greedy":
             return verify_greedy(tree, mixed, relax)
+        if self.sampler == "coupled":
+            return verify_coupled(tree, mixed, noise[tree.depths.to(noise.device)], self.sampling, relax)
         return verify_stochastic(tree, mixed, self.sampling, gen, relax)
 
     def relaxation(self) -> Relaxation | None:
@@ -250,20 +274,21 @@ class Generator:
             self._relax = relaxation_for(codebook, self.config.lantern, self.device)
         return self._relax
 
-    def _decode_speculative(self, caption, cmask, gen) -> tuple[torch.Tensor, StepStats]:
-        """One image: caption (1, T, C), cmask (1, T) -> tokens (N,) and its stats."""
+    def _decode_speculative(self, caption, cmask, gen, seed) -> tuple[torch.Tensor, StepStats]:
+        """One image: caption (1, T, C), cmask (1, T), seed (1,) -> tokens (N,) and its stats."""
         b = self.bundle
         t = caption.shape[1]
         n, rows, s = self.num_tokens, self.cfg_rows, self.sampling.cfg_scale
         max_nodes = self._max_tree_nodes()
         depth_cap = self.config.adaptive.d_max if self.config.method == "adt" else self.config.tree.depth
-        stats = StepStats(lossy=self.config.lantern is not None)
+        stats = StepStats(lossy=self.config.lantern is not None, sampler=self.sampler)
         t0 = self.timer.now()
         cache = b.target.new_cache(rows, t + n + max_nodes + 1)
-        proposer = TreeProposer(b.drafter, b.target.head, s, rows, t + n + (depth_cap + 1) * (max_nodes + 1))
+        proposer = TreeProposer(b.drafter, b.target.head, s, rows, t + n + (depth_cap + 1) * (max_nodes + 1),
+                                self.scorer)
         logits, hidden = self._prefill(caption, cmask, cache)
         stats.target_forwards += 1
-        first = int(self._sample(cfg_mix(logits, s), [gen])[0])
+        first = int(self._sample(cfg_mix(logits, s), [gen], seed, 0)[0])
         committed = [first]
         if b.drafter.config.caption_pairs:  # LANTERN: (code 0, h_j) for every caption position first
             proposer.observe(hidden, [0] * (t - 1) + [first], 1)
@@ -275,8 +300,11 @@ class Generator:
             root_pos = t + index - 1
             max_depth = n - index - 1
             ta = self.timer.now()
+            levels = min(depth_cap, max(max_depth, 0))
+            noise = self.noise(seed, torch.arange(index, index + levels + 1, device=self.device)[None])
+            noise = None if noise is None else noise[0]  # (levels + 1, V)
             if max_depth > 0:
-                tree, width = self._propose(proposer, ctrl, committed[-1], root_pos, index, max_depth)
+                tree, width = self._propose(proposer, ctrl, committed[-1], root_pos, index, max_depth, noise)
             else:
                 tree, width = DraftTree.root_only(committed[-1], root_pos, self.device), 0
             tb = self.timer.now()
@@ -284,7 +312,7 @@ class Generator:
             tree_tokens = tree.tokens.to(self.device)[None].expand(rows, -1)  # (R, n+1)
             logits, hidden = b.target(tree.positions.to(self.device), cache.attn_mask(tree.ancestor_mask()), cache,
                                       tokens=tree_tokens)
-            res = self._verify(tree, cfg_mix(logits, s)[0], gen)
+            res = self._verify(tree, cfg_mix(logits, s)[0], gen, noise)
             keep = torch.tensor([0] + res.accepted, dtype=torch.long, device=self.device)
             cache.keep(prefix, keep)
             new = tree.tokens[res.accepted].tolist() + [res.bonus]

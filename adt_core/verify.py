@@ -13,8 +13,12 @@ Greedy (temperature 0): a child is accepted iff its token is the argmax of the t
 at its parent; the path followed is unique because siblings carry distinct tokens. The output
 equals vanilla greedy decoding token for token.
 
-Stochastic: multi-draft recursive rejection over the children of the current node, best draft
-score first: accept child x with probability p(x); on rejection set p(x) = 0 and renormalise;
+Coupled (sampler "coupled", temperature > 0): the same walk as greedy with y(node) the
+perturbed argmax of the warped logits plus the node position's fixed Gumbel noise (see
+adt_core/noise.py); the output equals coupled AR sampling token for token.
+
+Stochastic (sampler "rejection"): multi-draft recursive rejection over the children of the
+current node, best draft score first: accept child x with probability p(x); on rejection set p(x) = 0 and renormalise;
 when every child is rejected (or there are none) draw the bonus token from what is left. The
 committed tokens are distributed exactly as sampling from p one token at a time.
 """
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from adt_core.config import SamplingConfig
-from adt_core.sampling import target_probs
+from adt_core.sampling import perturbed, target_probs
 from adt_core.tree import DraftTree
 
 
@@ -102,30 +106,65 @@ def node_acceptance(
     return accept, residual
 
 
-def verify_greedy(tree: DraftTree, logits: torch.Tensor, relax: Relaxation | None = None) -> VerifyResult:
-    """logits: (n+1, V) CFG-mixed target logits at every tree node.
+def relaxed_sets(p: torch.Tensor, child_tokens: list[int], relax: Relaxation) -> list[torch.Tensor]:
+    """A(x) for each child x of one node under coupled or greedy verification, children in order.
 
-    With `relax`, a child x is also accepted when the argmax y lies in A(x), the neighbour
-    prefix of x measured under the un-warped softmax of the logits (LANTERN, greedy form).
+    delta mode: the limits shrink so the sets' total mass under p stays within delta (each later
+    child gets what the earlier ones left); lam mode (LANTERN++): each child's limit is
+    (lam - 1) p(x). Every token a relaxed acceptance moves lies in one of these sets, so the
+    committed token's distribution is within total variation sum_x p(A(x)) <= delta of p.
     """
-    best = logits.argmax(-1).tolist()  # (n+1,)
+    sets, used = [], 0.0
+    for x in child_tokens:
+        limit = (relax.lam - 1.0) * float(p[x]) if relax.lam is not None else relax.delta - used
+        mass, near = relax.prefix(p, x, max(limit, 0.0))
+        used += mass
+        sets.append(near)
+    return sets
+
+
+def follow_targets(tree: DraftTree, targets: list[int], relax: Relaxation | None = None,
+                   probs_at=None) -> VerifyResult:
+    """Walk from the root along the child carrying the target's token y(node) at each node.
+
+    targets: (n+1,) y(node) for every node (greedy: argmax; coupled: perturbed argmax).
+    With `relax` (LANTERN, lossy), when no child carries y(node), the first child x whose
+    A(x) (`relaxed_sets` under probs_at(node), a (V,) distribution) holds y(node) is accepted.
+    The bonus token is y at the last accepted node.
+    """
     tokens = tree.tokens.tolist()
     kids = tree.children()
     node, accepted = 0, []
     while True:
-        nxt = next((c for c in kids[node] if tokens[c] == best[node]), None)
+        nxt = next((c for c in kids[node] if tokens[c] == targets[node]), None)
         if nxt is None and relax is not None and kids[node]:
-            p1 = logits[node].float().softmax(-1)
-            for c in kids[node]:
-                limit = (relax.lam - 1.0) * float(p1[tokens[c]]) if relax.lam is not None else relax.delta
-                _, near = relax.prefix(p1, tokens[c], limit)
-                if bool((near == best[node]).any()):
-                    nxt = c
-                    break
+            sets = relaxed_sets(probs_at(node), [tokens[c] for c in kids[node]], relax)
+            nxt = next((c for c, a in zip(kids[node], sets) if bool((a == targets[node]).any())), None)
         if nxt is None:
-            return VerifyResult(accepted, best[node])
+            return VerifyResult(accepted, targets[node])
         accepted.append(nxt)
         node = nxt
+
+
+def verify_greedy(tree: DraftTree, logits: torch.Tensor, relax: Relaxation | None = None) -> VerifyResult:
+    """logits: (n+1, V) CFG-mixed target logits at every tree node; y(node) = argmax.
+
+    With `relax`, A(x) is measured under the un-warped softmax of the logits (LANTERN, greedy form).
+    """
+    return follow_targets(tree, logits.argmax(-1).tolist(), relax, lambda n: logits[n].float().softmax(-1))
+
+
+def verify_coupled(tree: DraftTree, logits: torch.Tensor, noise: torch.Tensor, sampling: SamplingConfig,
+                   relax: Relaxation | None = None) -> VerifyResult:
+    """Coupled verification. logits: (n+1, V) CFG-mixed target logits; noise: (n+1, V) the Gumbel
+    row of each node's position (nodes at one depth share a row).
+
+    y(node) = argmax(warped logits + noise): the token AR would sample there with the same seed,
+    so the committed tokens equal coupled AR output token for token. With `relax`, A(x) is
+    measured under p (the warped target distribution) at the node.
+    """
+    targets = perturbed(logits, sampling, noise).argmax(-1).tolist()
+    return follow_targets(tree, targets, relax, lambda n: target_probs(logits[n], sampling))
 
 
 def verify_stochastic(

@@ -1,6 +1,7 @@
 """Engine benchmark: decoding methods side by side on the same prompts, in one process, no Ray.
 
     python -m jobs.bench                       # methods x temperatures table on the default bundle
+    python -m jobs.bench --samplers coupled,rejection --temperatures default,1.0   # the two samplers
     python -m jobs.bench --calibrate           # target forward cost at 1, 8, 16, 32, 64 new tokens
     python -m jobs.bench --bundle random --dim 512 --layers 6 --heads 8 --vocab 4096 --calibrate
 
@@ -74,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--heatmaps", default=None, metavar="PNG",
                     help="also draw depth / width / accepted maps of the adt runs of the first 4 prompts here")
     ap.add_argument("--temperatures", default="0,default", help="comma list: numbers or 'default' (bundle defaults)")
+    ap.add_argument("--samplers", default="coupled", help="comma list of coupled, rejection (sampled rows only)")
+    ap.add_argument("--draft-scores", default="perturbed",
+                    help="comma list of perturbed, logq: the coupled drafts' path score (rerank, cost budget)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
@@ -133,6 +137,7 @@ def run_method(bundle, spec, temperature, prompts, seeds, args) -> dict:
         kw["temperature"] = temperature
     gen = Generator(bundle, DecodeConfig(device=args.device, dtype=args.dtype, **kw))
     gen.generate(prompts[:1], seeds[:1])  # warm-up (and one-off costs: calibration, neighbour table)
+    sampler = gen.sampler
     results, secs = [], []
     for p, s in zip(prompts, seeds):  # one image at a time: every method at batch size 1
         t0 = time.perf_counter()
@@ -142,10 +147,13 @@ def run_method(bundle, spec, temperature, prompts, seeds, args) -> dict:
     rounds = [x for s in st for x in s.rounds]
     return {
         "results": results,
+        "sampler": sampler,
+        "draft_score": gen.config.draft_score,
         "mean_acceptance_length": statistics.mean(x.mean_acceptance_length for x in st),
         "target_forwards": statistics.mean(x.target_forwards for x in st),
         "draft_tokens": statistics.mean(x.draft_tokens for x in st),
         "nodes_per_round": statistics.mean(r.nodes for r in rounds) if rounds else 0.0,
+        "accepted_per_node": (sum(x.accepted_draft_tokens for x in st) / max(1, sum(x.draft_tokens for x in st))),
         "draft_ms_per_round": statistics.mean(r.draft_ms for r in rounds) if rounds else 0.0,
         "verify_ms_per_round": statistics.mean(r.verify_ms for r in rounds) if rounds else 0.0,
         "lossy": any(x.lossy for x in st),
@@ -154,28 +162,43 @@ def run_method(bundle, spec, temperature, prompts, seeds, args) -> dict:
     }
 
 
+def variants(specs: dict[str, dict], samplers: list[str], scores: list[str]) -> dict[str, dict]:
+    """Every spec under every sampler and (coupled drafts only) draft score; names get a
+    [sampler/score] tag when more than one is compared."""
+    out = {}
+    for name, spec in specs.items():
+        for smp in samplers:
+            scored = smp == "coupled" and spec["method"] != "ar" and len(scores) > 1
+            for sc in (scores if scored else scores[:1]):
+                tag = "/".join(([smp] if len(samplers) > 1 else []) + ([sc] if scored else []))
+                out[name + (f" [{tag}]" if tag else "")] = {**spec, "sampler": smp, "draft_score": sc}
+    return out
+
+
 def compare(bundle, specs: dict[str, dict], temperature, prompts, seeds, args, label: str) -> dict:
-    """Run every spec on the same prompts and seeds; print and return one table (ratios vs 'ar')."""
+    """Run every spec on the same prompts and seeds; print and return one table (ratios vs the
+    'ar' row of the same sampler). `equals ar` is reported wherever exactness is promised:
+    greedy, and the coupled sampler at any temperature."""
     rows = {m: run_method(bundle, spec, temperature, prompts, seeds, args) for m, spec in specs.items()}
-    ar = rows.get("ar")  # absent with --no-baseline: no speedups, no equality check
-    greedy = ar is not None and (temperature if temperature is not None else bundle.sampling.temperature) == 0
+    ars = {r["sampler"]: r for m, r in rows.items() if specs[m]["method"] == "ar"}  # absent with --no-baseline
     print(f"\n{label}  ({len(prompts)} prompts, bundle {bundle.name}, {args.device}/{args.dtype}, "
           f"{torch.get_num_threads()} threads)")
-    print(f"{'method':<21}{'accept len':>11}{'target fwd':>11}{'draft tok':>10}{'nodes/rnd':>10}{'draft ms':>9}"
-          f"{'verify ms':>10}{'s/image':>9}{'speedup':>9}" + ("  equals ar" if greedy else ""))
+    print(f"{'method':<34}{'accept len':>11}{'acc/node':>9}{'target fwd':>11}{'nodes/rnd':>10}{'draft ms':>9}"
+          f"{'verify ms':>10}{'s/image':>9}{'speedup':>9}  equals ar")
     table = {}
     for m, r in rows.items():
-        same = ar is not None and all(torch.equal(a.tokens, b.tokens) for a, b in zip(r["results"], ar["results"]))
+        ar = ars.get(r["sampler"])
+        exact_promised = r["sampler"] in ("greedy", "coupled") and ar is not None
         out = {k: v for k, v in r.items() if k != "results"}
         out["speedup"] = ar["seconds_median"] / r["seconds_median"] if ar else float("nan")
-        if greedy:
-            out["equals_ar"] = same
+        if exact_promised:
+            out["equals_ar"] = all(torch.equal(a.tokens, b.tokens) for a, b in zip(r["results"], ar["results"]))
         table[m] = out
         tag = " (lossy)" if out["lossy"] else ""
-        print(f"{m + tag:<21}{out['mean_acceptance_length']:>11.2f}{out['target_forwards']:>11.1f}"
-              f"{out['draft_tokens']:>10.1f}{out['nodes_per_round']:>10.1f}{out['draft_ms_per_round']:>9.1f}"
+        print(f"{m + tag:<34}{out['mean_acceptance_length']:>11.2f}{out['accepted_per_node']:>9.3f}"
+              f"{out['target_forwards']:>11.1f}{out['nodes_per_round']:>10.1f}{out['draft_ms_per_round']:>9.1f}"
               f"{out['verify_ms_per_round']:>10.1f}{r['seconds_median']:>9.3f}{out['speedup']:>8.2f}x"
-              + (f"  {same}" if greedy else ""))
+              f"  {out.get('equals_ar', '-')}")
     table["_results"] = rows  # kept for heatmaps; dropped before JSON
     return table
 
@@ -189,16 +212,18 @@ def bench(bundle: Bundle, args) -> dict:
         sys.exit(f"unknown methods {unknown}; known: {sorted(specs_all)}")
     if "ar" not in methods and args.baseline:
         methods.insert(0, "ar")
+    samplers = [x.strip() for x in args.samplers.split(",") if x.strip()]
+    scores = [x.strip() for x in args.draft_scores.split(",") if x.strip()]
     out = {"bundle": bundle.name, "device": args.device, "dtype": args.dtype, "prompts": len(prompts),
            "threads": torch.get_num_threads(), "tables": {}}
     if args.sweep:
-        specs = {"ar": specs_all["ar"], "eagle2": specs_all["eagle2"], **sweep_specs()}
+        specs = variants({"ar": specs_all["ar"], "eagle2": specs_all["eagle2"], **sweep_specs()}, samplers[:1], scores[:1])
         out["tables"]["sweep@0"] = compare(bundle, specs, 0.0, prompts, seeds, args, "ADT-Tree sensitivity, temperature=0")
     else:
         for temp_s in args.temperatures.split(","):
             temperature = None if temp_s.strip() == "default" else float(temp_s)
             label = f"temperature={temp_s.strip()}" + (f" ({bundle.sampling.temperature})" if temperature is None else "")
-            specs = {m: specs_all[m] for m in methods}
+            specs = variants({m: specs_all[m] for m in methods}, samplers, scores)
             out["tables"][temp_s.strip()] = compare(bundle, specs, temperature, prompts, seeds, args, label)
     if args.heatmaps:
         draw_heatmaps(bundle, out, args.heatmaps)
@@ -212,7 +237,7 @@ def draw_heatmaps(bundle: Bundle, out: dict, path: str) -> None:
 
     panels = []
     for tname, table in out["tables"].items():
-        key = next((k for k in ("adt", "adt (defaults)") if k in table["_results"]), None)
+        key = next((k for k in table["_results"] if k in ("adt", "adt (defaults)") or k.startswith("adt [")), None)
         if key is None:
             continue
         cfg = AdaptiveConfig()

@@ -133,6 +133,7 @@ SAMPLING = SamplingConfig(temperature=1.4, top_k=6, top_p=0.92, cfg_scale=2.0)
 ADT_SMALL = dict(d0=3, k0=3, d_min=1, d_max=3, k_min=2, k_max=4, n_min=2, n_max=8)
 
 
+@pytest.mark.parametrize("sampler", ["coupled", "rejection"])
 @pytest.mark.parametrize("method,tree,adaptive", [
     ("eagle2", TreeConfig(depth=3, top_k=3, budget=8), AdaptiveConfig()),
     ("static", TreeConfig(depth=3, static_paths=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))), AdaptiveConfig()),
@@ -140,8 +141,9 @@ ADT_SMALL = dict(d0=3, k0=3, d_min=1, d_max=3, k_min=2, k_max=4, n_min=2, n_max=
     ("adt", TreeConfig(), AdaptiveConfig(**ADT_SMALL, init="both", budget="cost")),
     ("ar", TreeConfig(), AdaptiveConfig()),
 ])
-def test_stochastic_decoding_is_lossless(method, tree, adaptive):
-    """The joint of the first 4 tokens matches the exact target distribution.
+def test_stochastic_decoding_is_lossless(method, tree, adaptive, sampler):
+    """The joint of the first 4 tokens matches the exact target distribution, under both samplers
+    (coupled: one seed per sample, so this is the law of the coupled AR sampler too).
 
     Chi-square goodness of fit on the (x1, x2) and (x2, x3) marginals (drafted and bonus tokens
     of the first round) and on x0 x x1; each must have p-value > 1e-3. The seeds are fixed, so
@@ -152,8 +154,8 @@ def test_stochastic_decoding_is_lossless(method, tree, adaptive):
         bundle.target.output.weight.mul_(0.35)  # flatter p: more mass off the argmax
     prompt = "green frog"
     s = SAMPLING
-    decode = DecodeConfig(method=method, tree=tree, adaptive=adaptive, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                          cfg_scale=s.cfg_scale)
+    decode = DecodeConfig(method=method, tree=tree, adaptive=adaptive, temperature=s.temperature, top_k=s.top_k,
+                          top_p=s.top_p, cfg_scale=s.cfg_scale, sampler=sampler)
     if adaptive.budget == "cost":  # a fixed cost table keeps the tree shapes (and the test) deterministic
         _COSTS[bundle.target] = {("cpu", "float32", 2): CostTable({1: 10.0, 8: 12.0, 16: 16.0, 32: 30.0, 64: 60.0},
                                                                   draft_level_ms=2.0)}
@@ -168,14 +170,16 @@ def test_stochastic_decoding_is_lossless(method, tree, adaptive):
         assert sum(r.stats.accepted_draft_tokens for r in res) > 200  # speculation really happened
 
 
-def test_chi2_detects_a_biased_sampler():
-    """Power check for the test above: greedy-biased samples are rejected."""
+@pytest.mark.parametrize("sampler", ["coupled", "rejection"])
+def test_chi2_detects_a_biased_sampler(sampler):
+    """Power check for the test above: samples at a wrong temperature are rejected."""
     bundle = random_bundle(seed=5, vocab=8, grid=(2, 2))
     with torch.no_grad():
         bundle.target.output.weight.mul_(0.35)
     s = SAMPLING
     probs = exact_joint(bundle, "green frog", s, 4)
-    hotter = DecodeConfig(method="ar", temperature=1.0, top_k=s.top_k, top_p=s.top_p, cfg_scale=s.cfg_scale)
+    hotter = DecodeConfig(method="ar", temperature=1.0, top_k=s.top_k, top_p=s.top_p, cfg_scale=s.cfg_scale,
+                          sampler=sampler)
     counts, _ = sample_counts(bundle, hotter, 4, 3000, "green frog")
     assert min(marginal_chi2(counts, probs, d) for d in [(1, 2), (2, 3), (0, 1)]) < 1e-3
 

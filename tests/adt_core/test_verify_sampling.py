@@ -31,6 +31,15 @@ def test_greedy_accepts_longest_matching_path():
     assert res.accepted == [] and res.bonus == 7
 
 
+def test_top_p_boundary_as_llamagen():
+    """A sorted token is removed only when the mass strictly before it EXCEEDS top_p."""
+    lg = torch.log(torch.tensor([1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 16]))
+    p = target_probs(lg, SamplingConfig(temperature=1.0, top_p=0.75))
+    assert int((p > 0).sum()) == 3  # mass before the third is exactly 0.75: kept
+    p = target_probs(lg, SamplingConfig(temperature=1.0, top_p=0.74))
+    assert int((p > 0).sum()) == 2
+
+
 def test_cfg_mix():
     cond, uncond = torch.randn(2, 5), torch.randn(2, 5)
     out = cfg_mix(torch.cat([cond, uncond]), 3.0)
@@ -42,7 +51,7 @@ def test_warp_top_k_top_p():
     lg = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     p = target_probs(lg, SamplingConfig(temperature=1.0, top_k=3))
     assert p[3] == 0 and torch.allclose(p[:3], torch.tensor([0.5, 0.3, 0.15]) / 0.95)
-    p = target_probs(lg, SamplingConfig(temperature=1.0, top_p=0.8))
+    p = target_probs(lg, SamplingConfig(temperature=1.0, top_p=0.79))
     assert torch.allclose(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
     p = target_probs(lg, SamplingConfig(temperature=1.0, top_p=0.81))
     assert p[2] > 0 and p[3] == 0

@@ -28,8 +28,26 @@ def test_methods_side_by_side(tmp_path, monkeypatch):
         assert row["equals_ar"] or row["lossy"], name  # lossless methods reproduce greedy AR
         assert row["speedup"] > 0 and row["mean_acceptance_length"] >= 1.0
     assert greedy["adt+lantern"]["lossy"] and not greedy["adt"]["lossy"]
-    assert "equals_ar" not in sampled["adt"]
+    assert sampled["adt"]["equals_ar"] and sampled["adt"]["sampler"] == "coupled"  # coupled: exact when sampled too
     assert Image.open(png).size[0] > 0
+
+
+def test_samplers_side_by_side(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADT_CACHE_DIR", str(tmp_path / "cache"))
+    torch.set_num_threads(1)
+    out = tmp_path / "bench.json"
+    assert bench.main(_tiny(tmp_path, "--json", str(out), "--temperatures", "1.0", "--methods", "eagle2,adt+cost",
+                            "--samplers", "coupled,rejection", "--draft-scores", "perturbed,logq")) == 0
+    table = json.loads(out.read_text())["tables"]["1.0"]
+    assert set(table) == {"ar [coupled]", "ar [rejection]", "eagle2 [coupled/perturbed]", "eagle2 [coupled/logq]",
+                          "eagle2 [rejection]", "adt+cost [coupled/perturbed]", "adt+cost [coupled/logq]",
+                          "adt+cost [rejection]"}
+    for name, row in table.items():
+        assert row["sampler"] == name.split("[")[1].split("/")[0].rstrip("]")
+        if row["sampler"] == "coupled":
+            assert row["equals_ar"], name
+        else:
+            assert "equals_ar" not in row
 
 
 def test_sweep_lists_every_variant(tmp_path):
