@@ -18,12 +18,14 @@ import time
 import types
 import typing
 from pathlib import Path
+from urllib.parse import urlparse
 from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 CONFIG_FILE = "job.json"
+MIN_CPUS_PER_ACTOR = 0.25  # below this an actor (torch + a bundle) makes no progress and only costs memory
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -50,10 +52,10 @@ class DecodeSettings(_Strict):
     method: Literal["ar", "static", "eagle2", "adt"] = Field(
         "adt", description="Decoder: ar (vanilla baseline), static tree, eagle2 (dynamic tree), adt (adaptive tree)."
     )
-    temperature: Optional[float] = Field(None, ge=0.0, description="Sampling temperature; 0 = greedy; none = bundle default.")
+    temperature: Optional[float] = Field(None, ge=0.0, allow_inf_nan=False, description="Sampling temperature; 0 = greedy; none = bundle default.")
     top_k: Optional[int] = Field(None, ge=0, description="Top-k sampling filter (0 = off); none = bundle default.")
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0, description="Top-p (nucleus) filter; none = bundle default.")
-    cfg_scale: Optional[float] = Field(None, ge=1.0, description="Classifier-free guidance scale; none = bundle default.")
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0, allow_inf_nan=False, description="Top-p (nucleus) filter; none = bundle default.")
+    cfg_scale: Optional[float] = Field(None, ge=1.0, allow_inf_nan=False, description="Classifier-free guidance scale; none = bundle default.")
     tree: TreeSettings = Field(default_factory=TreeSettings, description="Draft tree shape.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Model compute dtype.")
     max_tokens: Optional[int] = Field(
@@ -85,12 +87,26 @@ class StorageSettings(_Strict):
     )
     region: Optional[str] = Field(None, description="S3 region; none = AWS_REGION / AWS_DEFAULT_REGION / us-east-1.")
     profile: Optional[str] = Field(None, description="AWS profile name for credentials; none = AWS_PROFILE / default chain.")
+    retry_budget_s: float = Field(
+        90.0, ge=0.0, le=3600.0, allow_inf_nan=False,
+        description="Seconds a storage call keeps retrying transient failures (connection refused, timeouts, 5xx) "
+        "before the store counts as unavailable (exit code 4); rides out outages shorter than this.",
+    )
+    timeout_s: float = Field(
+        20.0, gt=0.0, le=600.0, allow_inf_nan=False,
+        description="Connect / read timeout of one S3 request, in seconds (each retry is one request).",
+    )
 
     @field_validator("endpoint_url")
     @classmethod
     def _endpoint_is_url(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None and not re.match(r"^https?://[^/\s]+", v):
-            raise ValueError(f"must be an http(s):// URL, got {v!r}")
+        if v is None:
+            return v
+        if not re.match(r"^https?://[^/\s]+", v):
+            raise ValueError("must be an http(s):// URL")
+        if "@" in (urlparse(v).netloc or ""):
+            raise ValueError("must not contain user:password@ (it would be saved in job.json): give credentials "
+                             "through AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or a profile (--storage.profile)")
         return v
 
 
@@ -119,7 +135,9 @@ class JobConfig(_Strict):
     num_actors: int = Field(1, ge=1, le=4096, description="Generator actors (each loads the bundle once).")
     gpus_per_actor: float = Field(1.0, gt=0.0, le=8.0, description="GPUs reserved per actor on GPU clusters.")
     cpus_per_actor: Optional[float] = Field(
-        None, gt=0.0, le=256.0, description="CPUs reserved per actor on CPU clusters; none = a fraction leaving room for reads/writes."
+        None, ge=MIN_CPUS_PER_ACTOR, le=256.0,
+        description="CPUs reserved per actor on CPU clusters; none = a share leaving room for reads/writes "
+        f"(never below {MIN_CPUS_PER_ACTOR}: the pool is capped to what fits).",
     )
     batch_size: int = Field(4, ge=1, le=4096, description="Prompts per worker call (one generate() call).")
     limit: Optional[int] = Field(None, ge=1, description="Process only the first N prompts (in file order); none = all.")
@@ -134,7 +152,31 @@ class JobConfig(_Strict):
     )
     allow_failures: bool = Field(False, description="Exit 0 even when some rows failed.")
     ray_address: Optional[str] = Field(
-        None, description="Ray cluster address; none = RAY_ADDRESS if set (ray job submit), else a local in-process Ray."
+        None, description="Ray cluster address (host:port, ray://host:port, auto = a cluster started with ray start on "
+        "this machine, local = a new in-process Ray); none = RAY_ADDRESS if set (ray job submit), else local.",
+    )
+    ray_connect_timeout_s: float = Field(
+        30.0, gt=0.0, le=3600.0, description="Seconds to wait for the Ray cluster at ray_address before exit code 3."
+    )
+    lease_ttl_s: float = Field(
+        300.0, ge=5.0, le=86400.0,
+        description="Lifetime of the job's lease on its output (renewed every third of it while the job runs); "
+        "a crashed job's lease can be taken over after this long (at once on the same host when its process is gone).",
+    )
+    lease_wait_s: float = Field(
+        0.0, ge=0.0, le=86400.0,
+        description="When another job holds the output's lease: wait up to this many seconds for it (0 = refuse at once, exit 5).",
+    )
+    allow_config_change: bool = Field(
+        False, description="Let --resume continue an output made with a config that decides images differently."
+    )
+    ledger_flush_rows: int = Field(
+        1, ge=1, le=100_000,
+        description="Telemetry rows buffered before the driver writes them durably (1 = after every worker batch); "
+        "a killed driver loses at most these rows plus the batches in flight.",
+    )
+    telemetry_rows_per_file: int = Field(
+        100_000, ge=1, le=10_000_000, description="Rows per compacted telemetry file (parts are merged at the end of a run)."
     )
     progress: bool = Field(True, description="Show Ray Data progress bars.")
     storage: StorageSettings = Field(default_factory=StorageSettings, description="Object-store endpoint settings.")
@@ -190,7 +232,9 @@ def format_validation_error(err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
         got = e.get("input")
-        tail = "" if e["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) else f" (got {got!r})"
+        secret = where.endswith("endpoint_url") or (isinstance(got, str) and "@" in got and "://" in got)
+        quiet = e["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) or secret
+        tail = "" if quiet else f" (got {got!r})"
         lines.append(f"{where}: {msg}{tail}")
     return "invalid job config:\n  " + "\n  ".join(lines)
 

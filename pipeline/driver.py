@@ -1,46 +1,79 @@
-"""The job driver: prompts (Parquet) -> Ray Data actor pool of GeneratorWorkers -> telemetry.
+"""The job driver: prompts (Parquet) -> Ray Data actor pool of GeneratorWorkers -> ledger.
 
     read_parquet(prompts) -> keep the selected ids (limit, resume) -> repartition so every
     actor gets work -> map_batches(GeneratorWorker, ActorPoolStrategy(size=N), GPUs or
-    fractional CPUs per actor) -> write_parquet(<output>/telemetry/<run id>_*.parquet)
+    fractional CPUs per actor) -> the driver writes each returned batch of rows durably
+    (pipeline.ledger), then compacts them at the end
 
 then `summary.json` and a one-screen summary. Everything that can be refused is refused
-before Ray starts: the config, the prompt input's structure, the cluster's resources.
+before Ray starts: the config (the engine's DecodeConfig and sampling included), the prompt
+input (every page of every column read), the output's lease, a resume with another config.
 
 Output layout (rooted at JobConfig.output, a path or s3:// prefix):
 
-    job.json                 the JobConfig with its config_hash
+    lease.json               held while a job writes here (pipeline.lease)
+    job.json                 the JobConfig of the first run, with its config_hash
+    runs/<run id>.json       one record per run: its config, hash, end, counts (pipeline.history)
     images/<id>.png          one image per ok prompt (id sanitised by storage.safe_name)
-    telemetry/<run>_*.parquet one row per processed prompt (pipeline.telemetry.SCHEMA)
+    telemetry/*.parquet      one row per processed prompt (pipeline.telemetry.SCHEMA)
     summary.json             counts, throughput, speedups of the latest run
+
+Exit codes (EXIT_CODES; docs/pipeline.md):
+    0 done            1 some rows failed      2 config / input / resume refused
+    3 Ray cluster unreachable or too small    4 storage unavailable
+    5 output in use by another job (lease)    6 interrupted (SIGTERM / SIGINT)
+    7 internal error (a bug: traceback logged)
 """
 
 from __future__ import annotations
 
+import _thread
 import json
 import logging
 import math
 import os
 import secrets
+import signal
 import sys
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, TextIO
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.cluster import ActorPlan, ClusterUnavailable, connect, plan_actors
 from pipeline.config import ConfigError, JobConfig
-from pipeline.prompts import PromptSource, done_ids, open_prompts, read_telemetry, select_ids
+from pipeline.history import ConfigChanged, check_and_record, finish_record
+from pipeline.lease import Lease, LeaseHeld
+from pipeline.ledger import Ledger, compact, latest_per_prompt, read_telemetry
+from pipeline.prompts import PromptInputError, PromptSource, open_prompts, select_ids
+from pipeline.retry import StorageUnavailable, is_transient
 from pipeline.storage import Storage, is_remote, open_storage, parse_uri
-from pipeline.telemetry import SCHEMA, TELEMETRY_DIR, empty_table, format_summary, latest_per_prompt, summarize
+from pipeline.telemetry import STATUS_OK, TELEMETRY_DIR, format_summary, summarize
 from pipeline.worker import FAULT_ENV, GeneratorWorker
 
 log = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_ROWS_FAILED, EXIT_BAD_INPUT, EXIT_NO_RESOURCES = 0, 1, 2, 3
-LOCAL_OBJECT_STORE_BYTES = 1024**3
-ROWS_PER_TELEMETRY_FILE = 512
+EXIT_OK = 0
+EXIT_ROWS_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_NO_RESOURCES = 3
+EXIT_STORAGE_UNAVAILABLE = 4
+EXIT_OUTPUT_BUSY = 5
+EXIT_INTERRUPTED = 6
+EXIT_INTERNAL = 7
+EXIT_CODES = {
+    EXIT_OK: "done: every selected prompt has an ok row",
+    EXIT_ROWS_FAILED: "the run finished but some rows failed (--allow-failures makes it 0)",
+    EXIT_BAD_INPUT: "the config, the prompt input or a resume was refused before any work",
+    EXIT_NO_RESOURCES: "the Ray cluster cannot be reached or cannot host the actors",
+    EXIT_STORAGE_UNAVAILABLE: "the input or output store is unavailable (down past storage.retry_budget_s, or refused)",
+    EXIT_OUTPUT_BUSY: "another job holds the output's lease",
+    EXIT_INTERRUPTED: "stopped by SIGTERM / SIGINT; what was done is in the telemetry and summary",
+    EXIT_INTERNAL: "an unexpected error (a bug); the traceback is logged",
+}
 
 
 class JobRefused(Exception):
@@ -51,16 +84,13 @@ class JobRefused(Exception):
         self.exit_code = exit_code
 
 
-@dataclass
-class ActorPlan:
-    """How the actor pool is placed on the cluster."""
+class JobInterrupted(BaseException):
+    """SIGTERM / SIGINT arrived (a BaseException, like KeyboardInterrupt, so that no
+    `except Exception` on the way swallows it)."""
 
-    device: str  # "cuda" | "cpu"
-    num_actors: int
-    num_gpus: float  # per actor
-    num_cpus: float  # per actor
-    threads: int  # torch intra-op threads per actor
-    notes: list[str] = field(default_factory=list)
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
 
 
 @dataclass
@@ -68,41 +98,6 @@ class JobResult:
     summary: dict[str, Any]
     exit_code: int
     output_uri: str
-
-
-def plan_actors(cfg: JobConfig, resources: dict[str, float]) -> ActorPlan:
-    """Decide GPUs/CPUs per actor from the cluster's resources, so the pool can always be
-    scheduled and read/write tasks keep a CPU (the 2-core deadlock in ray_notes)."""
-    gpus = float(resources.get("GPU", 0.0))
-    cpus = float(resources.get("CPU", 0.0))
-    n = cfg.num_actors
-    notes: list[str] = []
-    if cfg.device == "cuda" and gpus < cfg.gpus_per_actor:
-        raise JobRefused(f"device 'cuda' requested but the cluster has {gpus:g} GPU(s) "
-                         f"(need {cfg.gpus_per_actor:g} per actor); use --device auto or cpu", EXIT_NO_RESOURCES)
-    if cpus <= 0:
-        raise JobRefused("the Ray cluster reports no CPUs", EXIT_NO_RESOURCES)
-    if cfg.device != "cpu" and gpus >= cfg.gpus_per_actor:
-        fit = int(gpus // cfg.gpus_per_actor)
-        if fit < n:
-            notes.append(f"{n} actors requested but {gpus:g} GPUs fit {fit}: running {fit}")
-            n = fit
-        per_cpu = min(1.0, max(0.1, (cpus - 1.0) / n)) if cpus > 1 else cpus / (2 * n)
-        return ActorPlan("cuda", n, cfg.gpus_per_actor, per_cpu, 1, notes)
-    if cfg.device == "auto":
-        notes.append(f"no GPUs in the cluster: running {n} CPU actor(s)")
-    spare = 1.0 if cpus >= 2 else cpus / 2  # left for read, repartition and write tasks
-    budget = cpus - spare
-    if cfg.cpus_per_actor is not None:
-        per_cpu = cfg.cpus_per_actor
-        if n * per_cpu > budget + 1e-9:
-            raise JobRefused(
-                f"{n} actors x {per_cpu:g} CPUs leaves no CPU for the read/write tasks on a cluster with "
-                f"{cpus:g} CPUs (the job would hang): lower num_actors or cpus_per_actor", EXIT_NO_RESOURCES)
-    else:
-        per_cpu = budget / n
-    threads = max(1, int(per_cpu))
-    return ActorPlan("cpu", n, 0.0, round(per_cpu, 4), threads, notes)
 
 
 def _absolute(cfg: JobConfig) -> JobConfig:
@@ -115,14 +110,42 @@ def _absolute(cfg: JobConfig) -> JobConfig:
     return cfg.model_copy(update=upd)
 
 
-def _check_engine_config(cfg: JobConfig) -> None:
-    """Let the engine validate the decode settings now, not inside every actor."""
-    try:
-        from adt_core import DecodeConfig
+def _bundle_sampling(cfg: JobConfig):
+    """The bundle's sampling defaults when they can be read without loading weights."""
+    from adt_core import SamplingConfig
 
-        DecodeConfig.from_dict(cfg.decode.engine_dict("cpu"))
+    if cfg.bundle == "random" or cfg.bundle.startswith("random:"):
+        return SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, cfg_scale=2.0)  # random_bundle's defaults
+    try:
+        from adt_core.models.bundle import resolve_bundle_dir
+
+        meta = json.loads((resolve_bundle_dir(cfg.bundle) / "bundle.json").read_text())
+        return SamplingConfig(**meta["sampling"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return SamplingConfig()
+
+
+def _check_engine_config(cfg: JobConfig) -> None:
+    """Build the engine's whole DecodeConfig (and the sampling it resolves to) now, so a bad
+    field is refused in one line naming it, not inside every actor after Ray started."""
+    import dataclasses
+
+    from adt_core import AdaptiveConfig, DecodeConfig, LanternConfig
+
+    d = cfg.decode.engine_dict("cpu")
+    for name, cls in (("adaptive", AdaptiveConfig), ("lantern", LanternConfig)):
+        sub = d.get(name)
+        if isinstance(sub, dict):
+            unknown = sorted(set(sub) - {f.name for f in dataclasses.fields(cls)})
+            if unknown:
+                raise JobRefused(f"invalid job config: decode.{name}: unknown field(s) {', '.join(unknown)}")
+    try:
+        dc = DecodeConfig.from_dict(d)
+        dc.sampling(_bundle_sampling(cfg))
     except (ValueError, TypeError) as e:
-        raise JobRefused(f"invalid job config:\n  decode: {e}") from None
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        where = "decode." if msg.split(" ", 1)[0].split(".", 1)[0] in ("adaptive", "lantern", "tree", "sampling") else "decode: "
+        raise JobRefused(f"invalid job config: {where}{msg}") from None
 
 
 def _check_bundle(cfg: JobConfig) -> None:
@@ -149,29 +172,53 @@ class _Printer:
         print(f"[generate] {msg}", file=self.stream, flush=True)
 
 
-def _init_ray(cfg: JobConfig, say: _Printer) -> bool:
-    """Connect to (or start) Ray; returns True when this call started it."""
-    import ray
+class _Signals:
+    """SIGTERM / SIGINT raise JobInterrupted in the main thread (once; a second signal acts
+    as it normally would). Outside the main thread nothing is installed."""
 
-    if ray.is_initialized():
-        return False
-    address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
-        say(f"connecting to Ray at {address}")
-        ray.init(address=address, log_to_driver=True)
-    else:
-        say("starting a local Ray in this process")
-        ray.init(object_store_memory=LOCAL_OBJECT_STORE_BYTES, include_dashboard=False, log_to_driver=True)
-    return True
+    def __init__(self):
+        self.previous: dict[int, Any] = {}
+        self.active = threading.current_thread() is threading.main_thread()
+
+    def _handle(self, signum, frame):
+        self.restore()
+        raise JobInterrupted(signum)
+
+    def install(self) -> None:
+        if self.active:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                prev = signal.signal(sig, self._handle)
+                self.previous.setdefault(sig, prev)
+
+    def restore(self) -> None:
+        for sig, prev in self.previous.items():
+            signal.signal(sig, prev)
+        self.previous = {}
 
 
-def _execute(cfg: JobConfig, source: PromptSource, todo: list[str], output: Storage, run_id: str,
-             say: _Printer) -> ActorPlan:
+def _dataset_failure(err: BaseException, source: PromptSource) -> Optional[StorageUnavailable]:
+    """The StorageUnavailable behind a failed Ray Data execution, if a store caused it."""
+    seen: set[int] = set()
+    e: Optional[BaseException] = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, StorageUnavailable):
+            return e
+        if is_transient(e) or "storage unavailable" in str(e):
+            return StorageUnavailable(source.uri, f"reading prompts failed: {str(e).strip().splitlines()[-1][:300]}")
+        e = e.__cause__ or e.__context__
+    text = str(err)
+    if any(t in text for t in ("NETWORK_CONNECTION", "curlCode", "Connection refused")):
+        return StorageUnavailable(source.uri, f"reading prompts failed: {text.strip().splitlines()[-1][:300]}")
+    return None
+
+
+def _execute(cfg: JobConfig, source: PromptSource, todo: list[str], ledger: Ledger, say: _Printer) -> ActorPlan:
+    """Run the actor pool over `todo`, handing every returned batch of rows to the ledger."""
     import ray
     from ray.data import ActorPoolStrategy, DataContext
-    from ray.data.datasource import FilenameProvider
 
-    plan = plan_actors(cfg, ray.cluster_resources())
+    plan = plan_actors(cfg, ray.cluster_resources(), num_prompts=len(todo))
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) > 1 and not is_remote(cfg.output):
         say(f"WARNING: {len(nodes)} nodes but a local output path: images land on each worker's own disk")
@@ -205,90 +252,175 @@ def _execute(cfg: JobConfig, source: PromptSource, todo: list[str], output: Stor
         num_gpus=plan.num_gpus or None,
         num_cpus=plan.num_cpus,
     )
-    ds.write_parquet(
-        output.arrow_path(TELEMETRY_DIR),
-        filesystem=output.arrow_fs(),
-        filename_provider=FilenameProvider(dataset_uuid=run_id, file_format="parquet"),
-        min_rows_per_file=ROWS_PER_TELEMETRY_FILE,
-        schema=SCHEMA,
-    )
+    batches = iter(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
+    try:
+        for batch in batches:
+            ledger.add(batch)  # durable before the next batch is taken
+    except (StorageUnavailable, JobInterrupted):
+        raise
+    except Exception as e:  # noqa: BLE001 - a failed execution: a store, or a bug
+        outage = _dataset_failure(e, source)
+        if outage is not None:
+            raise outage from e
+        raise
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()  # stops the pool when we leave early
     return plan
 
 
 def run_job(cfg: JobConfig, stream: TextIO = sys.stdout) -> JobResult:
-    """Run one generation job end to end; raises JobRefused (nothing done) or returns the
-    summary and the exit code (non-zero when rows failed, unless allow_failures)."""
+    """Run one generation job end to end; raises JobRefused / StorageUnavailable /
+    ClusterUnavailable / LeaseHeld / JobInterrupted when nothing could be done, else
+    returns the summary and the exit code (EXIT_CODES)."""
+    signals = _Signals()
+    signals.install()
+    try:
+        return _run(cfg, stream, signals)
+    finally:
+        signals.restore()
+
+
+def _run(cfg: JobConfig, stream: TextIO, signals: _Signals) -> JobResult:
     t_job = time.perf_counter()
     say = _Printer(stream)
     cfg = _absolute(cfg)
     _check_engine_config(cfg)
     _check_bundle(cfg)
-    output = open_storage(cfg.output, cfg.storage)
     try:
+        output = open_storage(cfg.output, cfg.storage)
         source = open_prompts(cfg.input, cfg.storage)
-    except ValueError as e:
+    except (PromptInputError, ValueError) as e:
         raise JobRefused(str(e)) from None
     existing = output.list_keys(TELEMETRY_DIR)
     if existing and not cfg.resume:
         raise JobRefused(f"{output.uri_for(TELEMETRY_DIR)} already holds telemetry from an earlier run: "
                          f"pass --resume to continue that job, or choose another --output")
-    done = done_ids(output) if cfg.resume else set()
+    run_id = time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+    lease = Lease(output, f"{cfg.job_id}/{run_id}", cfg.lease_ttl_s)
+    try:
+        lease.acquire(wait_s=cfg.lease_wait_s)
+    except LeaseHeld as e:
+        raise JobRefused(str(e), EXIT_OUTPUT_BUSY) from None
+    try:
+        return _run_leased(cfg, stream, signals, say, output, source, run_id, lease, bool(existing), t_job)
+    finally:
+        lease.release()
+
+
+def _run_leased(cfg: JobConfig, stream: TextIO, signals: _Signals, say: _Printer, output: Storage,
+                source: PromptSource, run_id: str, lease: Lease, existing: bool, t_job: float) -> JobResult:
+    if existing:
+        merged = compact(output, cfg.telemetry_rows_per_file)  # parts left by a run that was killed
+        if merged:
+            say(f"compacted {merged} telemetry part(s) left by an earlier run")
+    try:
+        earlier_hash = check_and_record(output, cfg, run_id)
+    except ConfigChanged as e:
+        raise JobRefused(str(e)) from None
+    if earlier_hash:
+        say(f"WARNING: resuming a job made with config {earlier_hash}; new rows get config {cfg.config_hash()}")
+    cols = ["prompt_id", "status", "finished_at"]
+    earlier = read_telemetry(output, columns=cols) if cfg.resume else None
+    done = set(earlier.filter(pc.equal(earlier["status"], STATUS_OK))["prompt_id"].to_pylist()) if earlier else set()
     todo, skipped = select_ids(source, cfg.limit, done)
     wanted = len(todo) + skipped
-    run_id = time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(3)
     say(f"job {cfg.job_id} (config {cfg.config_hash()}, run {run_id}): {len(source.ids)} prompt(s) in {source.uri}, "
         f"{wanted} selected, {skipped} already done, output {output.uri}")
-    if cfg.resume and output.exists("job.json"):
-        earlier = json.loads(output.get_text("job.json")).get("config_hash")
-        if earlier and earlier != cfg.config_hash():
-            say(f"WARNING: resuming a job made with config {earlier}; new rows get config {cfg.config_hash()}")
-    output.put_text("job.json", cfg.to_json(), "application/json")
 
+    ledger = Ledger(output, run_id, cfg.ledger_flush_rows)
     plan: Optional[ActorPlan] = None
+    stopped: Optional[BaseException] = None  # why the run ended early
     t_exec = time.perf_counter()
     if todo:
-        started = _init_ray(cfg, say)
+        started = False
         try:
+            started = connect(cfg, say)
+            signals.install()  # ray.init in the main thread installs its own SIGTERM handler
+            lease.on_lost = lambda: _thread.interrupt_main(signal.SIGINT)
             t_exec = time.perf_counter()
-            plan = _execute(cfg, source, todo, output, run_id, say)
+            plan = _execute(cfg, source, todo, ledger, say)
+        except (JobInterrupted, StorageUnavailable) as e:
+            stopped = e
         finally:
+            lease.on_lost = None
             if started:
                 import ray
 
                 ray.shutdown()
     exec_s = time.perf_counter() - t_exec if todo else 0.0
+    if isinstance(stopped, JobInterrupted) and lease.lost:
+        stopped = StorageUnavailable(output.uri, f"the output lease could not be renewed: {lease.lost}")
+    if isinstance(stopped, JobInterrupted):
+        say(f"{stopped}: finishing what was done")
 
-    run_rows = read_telemetry(output, name_prefix=run_id) if todo else None
-    run_rows = run_rows if run_rows is not None else empty_table()
-    summary = summarize(run_rows, wall_time_s=exec_s, skipped=skipped, total_input=wanted)
+    wrote: list[str] = []
+    try:
+        ledger.flush()
+        compact(output, cfg.telemetry_rows_per_file)
+    except StorageUnavailable as e:
+        stopped = stopped if isinstance(stopped, StorageUnavailable) else e
+    summary = summarize(ledger.rows(), wall_time_s=exec_s, skipped=skipped, total_input=wanted)
     summary["job_wall_time_s"] = time.perf_counter() - t_job
-    cols = ["prompt_id", "status", "finished_at"]
-    all_rows = read_telemetry(output, columns=cols)
-    statuses = latest_per_prompt(all_rows)["status"].to_pylist() if all_rows is not None else []
+    mine = ledger.rows().select(cols)
+    everything = pa.concat_tables([earlier.select(cols).cast(mine.schema), mine]) if earlier is not None else mine
+    statuses = latest_per_prompt(everything)["status"].to_pylist()
+    code = _exit_code(cfg, summary, stopped)
     summary.update(
         job_id=cfg.job_id, run_id=run_id, config_hash=cfg.config_hash(), input=source.uri, output=output.uri,
         device=plan.device if plan else None, num_actors=plan.num_actors if plan else 0,
-        job_ok=statuses.count("ok"), job_failed=statuses.count("failed"),
+        job_ok=statuses.count("ok"), job_failed=statuses.count("failed"), durable_rows=ledger.rows_written,
+        status={EXIT_INTERRUPTED: "interrupted", EXIT_STORAGE_UNAVAILABLE: "storage unavailable"}.get(code, "done"),
+        exit_code=code, error=str(stopped) if stopped else None,
     )
-    summary_uri = output.put_text("summary.json", json.dumps(summary, indent=2, default=str) + "\n", "application/json")
-    where = {
-        "images": output.uri_for("images"),
-        "telemetry": output.uri_for(TELEMETRY_DIR),
-        "summary": summary_uri,
-        "config": output.uri_for("job.json"),
-    }
+    where = {"images": output.uri_for("images"), "telemetry": output.uri_for(TELEMETRY_DIR),
+             "summary": output.uri_for("summary.json"), "config": output.uri_for("job.json")}
+    try:
+        output.put_text("summary.json", json.dumps(summary, indent=2, default=str) + "\n", "application/json")
+        finish_record(output, cfg, run_id, {"exit_code": code, "status": summary["status"], "ok": summary["ok"],
+                                            "failed": summary["failed"], "skipped": skipped})
+        wrote.append("summary")
+    except StorageUnavailable as e:
+        code = EXIT_STORAGE_UNAVAILABLE
+        summary.update(status="storage unavailable", exit_code=code, error=summary["error"] or str(e))
+        where["summary"] = "(not written: storage unavailable)"
     print(format_summary(summary, title=f"job {cfg.job_id}", where=where), file=stream, flush=True)
+    if summary["error"]:
+        say(f"error: {summary['error']}")
     failed = summary["failed"]
-    code = EXIT_ROWS_FAILED if failed and not cfg.allow_failures else EXIT_OK
-    if failed and not cfg.allow_failures:
+    if code == EXIT_ROWS_FAILED:
         say(f"{failed} row(s) failed: exit code {code} (pass --allow-failures to exit 0)")
+    elif code != EXIT_OK:
+        say(f"exit code {code}: {EXIT_CODES[code]}")
     return JobResult(summary=summary, exit_code=code, output_uri=output.uri)
 
 
+def _exit_code(cfg: JobConfig, summary: dict[str, Any], stopped: Optional[BaseException]) -> int:
+    if isinstance(stopped, StorageUnavailable):
+        return EXIT_STORAGE_UNAVAILABLE
+    if isinstance(stopped, JobInterrupted):
+        return EXIT_INTERRUPTED
+    return EXIT_ROWS_FAILED if summary["failed"] and not cfg.allow_failures else EXIT_OK
+
+
 def main_guarded(cfg: JobConfig, stream: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """run_job with refusals turned into a message and an exit code."""
+    """run_job with every way it can end turned into one line and a documented exit code."""
     try:
         return run_job(cfg, stream).exit_code
     except (JobRefused, ConfigError) as e:
         print(f"error: {e}", file=err, flush=True)
         return getattr(e, "exit_code", EXIT_BAD_INPUT)
+    except StorageUnavailable as e:
+        print(f"error: {e}", file=err, flush=True)
+        return EXIT_STORAGE_UNAVAILABLE
+    except ClusterUnavailable as e:
+        print(f"error: {e}", file=err, flush=True)
+        return EXIT_NO_RESOURCES
+    except JobInterrupted as e:
+        print(f"error: {e} before any work was done", file=err, flush=True)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - a bug: say so, distinctly from "rows failed"
+        log.exception("internal error")
+        print(f"error: internal error: {type(e).__name__}: {e}", file=err, flush=True)
+        return EXIT_INTERNAL

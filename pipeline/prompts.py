@@ -1,4 +1,4 @@
-"""Prompt input: find, validate and select Parquet prompts; resume from telemetry.
+"""Prompt input: find, validate and select Parquet prompts.
 
 Input: one Parquet file, a folder of them, or an s3:// prefix, with columns
 
@@ -7,8 +7,11 @@ Input: one Parquet file, a folder of them, or an s3:// prefix, with columns
     seed       integer, optional             (absent or null: derived from prompt id + JobConfig.seed)
 
 Two kinds of bad input, treated differently:
-- Structural problems (no files, a missing column, wrong column types, null/empty or
-  duplicate ids) stop the job before any work, with a message naming what is wrong.
+- Structural problems (no files, no rows, a missing column, wrong column types, null/empty
+  or duplicate ids, a damaged file) stop the job before any work, with a message naming
+  what is wrong. Validation decodes every page of every column the job will read,
+  streaming (one record batch at a time), so a file that would fail mid-run fails here.
+- The store being unreachable is neither: it raises StorageUnavailable (exit code 4).
 - Per-row problems (null, empty or over-long prompt, seed out of range) become failed
   telemetry rows with their reason (`row_problem`); the rest of the job goes on.
 """
@@ -22,12 +25,11 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from pipeline.retry import StorageUnavailable, call_with_retry, is_transient
 from pipeline.storage import Storage, open_storage
-from pipeline.telemetry import STATUS_OK, TELEMETRY_DIR
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,9 @@ SEED_COLUMN = "seed"
 REQUIRED_COLUMNS = (ID_COLUMN, PROMPT_COLUMN)
 MIN_SEED, MAX_SEED = 0, 2**63 - 1
 _MAX_NAMED = 10  # ids named in an error message
+_SCAN_ROWS = 65_536  # rows decoded at a time while validating
+# pyarrow reports these as OSError, but they mean the store refused, not that the file is bad.
+_STORE_REFUSALS = ("ACCESS_DENIED", "NO_SUCH_BUCKET", "NoSuchBucket", "AccessDenied", "InvalidAccessKeyId")
 
 
 class PromptInputError(ValueError):
@@ -66,12 +71,12 @@ def _is_data_file(path: str) -> bool:
 def list_parquet_files(storage: Storage) -> list[str]:
     """The Parquet files at the storage root: the file itself, or every *.parquet below it."""
     fs, root = storage.arrow_fs(), storage.arrow_path()
-    info = fs.get_file_info(root)
+    info = storage._call("stat", "", lambda: fs.get_file_info(root))
     if info.type == pafs.FileType.File:
         return [root]
     if info.type == pafs.FileType.NotFound:
         raise PromptInputError(f"prompt input not found: {storage.uri}")
-    infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    infos = storage._call("list", "", lambda: fs.get_file_info(pafs.FileSelector(root, recursive=True)))
     return sorted(i.path for i in infos if i.type == pafs.FileType.File and _is_data_file(i.path))
 
 
@@ -94,9 +99,41 @@ def _check_schema(path: str, schema: pa.Schema) -> list[str]:
     return problems
 
 
+def _read_file(storage: Storage, fs: pafs.FileSystem, path: str, what: str, read):
+    """read() of one input file: transient store failures retried, a store that is gone or
+    refuses -> StorageUnavailable, anything else (a damaged file) -> PromptInputError."""
+    uri = f"{storage.location.scheme}://{path}" if storage.location.scheme == "s3" else path
+    try:
+        return call_with_retry(read, uri=uri, what=what, budget_s=storage.retry_budget_s)
+    except StorageUnavailable as e:
+        cause = e.__cause__
+        if cause is not None and (is_transient(cause) or any(t in str(cause) for t in _STORE_REFUSALS)):
+            raise
+        if cause is not None and not isinstance(cause, OSError):
+            raise
+        raise PromptInputError(f"prompt input refused:\n  {path}: not a readable Parquet file ({e.cause})") from None
+    except Exception as e:  # noqa: BLE001 - corrupt pages, bad thrift, wrong magic: a damaged file
+        raise PromptInputError(f"prompt input refused:\n  {path}: not a readable Parquet file "
+                               f"({type(e).__name__}: {str(e).strip()[:300]})") from None
+
+
+def _scan_ids(storage: Storage, fs: pafs.FileSystem, path: str, columns: list[str]) -> list[Optional[str]]:
+    """Decode every page of `columns` of one file (streaming) and return its prompt ids."""
+
+    def scan() -> list[Optional[str]]:
+        ids: list[Optional[str]] = []
+        with fs.open_input_file(path) as f:
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=_SCAN_ROWS, columns=columns):
+                ids.extend(batch.column(ID_COLUMN).to_pylist())
+        return ids
+
+    return _read_file(storage, fs, path, "read", scan)
+
+
 def open_prompts(uri: str, storage_settings: Any = None) -> PromptSource:
     """Find and validate the prompt input at `uri`. Raises PromptInputError naming every
-    structural problem (missing/mistyped columns, null/empty/duplicate ids)."""
+    structural problem (missing/mistyped columns, null/empty/duplicate ids, damaged files,
+    no rows), StorageUnavailable when the store cannot be reached."""
     storage = open_storage(uri, storage_settings)
     paths = list_parquet_files(storage)
     if not paths:
@@ -106,9 +143,9 @@ def open_prompts(uri: str, storage_settings: Any = None) -> PromptSource:
     with_seed = []
     for path in paths:
         try:
-            schema = pq.read_schema(path, filesystem=fs)
-        except Exception as e:  # noqa: BLE001 - any unreadable file is a structural problem
-            problems.append(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})")
+            schema = _read_file(storage, fs, path, "read schema", lambda p=path: pq.read_schema(p, filesystem=fs))
+        except PromptInputError as e:
+            problems.append(str(e).split("\n  ", 1)[-1])
             continue
         problems += _check_schema(path, schema)
         with_seed.append(SEED_COLUMN in schema.names)
@@ -116,24 +153,29 @@ def open_prompts(uri: str, storage_settings: Any = None) -> PromptSource:
         problems.append("column seed is present in some files but not others: add it everywhere or nowhere")
     if problems:
         raise PromptInputError("prompt input refused:\n  " + "\n  ".join(problems))
+    columns = list(REQUIRED_COLUMNS) + ([SEED_COLUMN] if with_seed and all(with_seed) else [])
 
     ids: list[str] = []
-    bad_ids: list[str] = []
+    bad: list[str] = []
     for path in paths:
-        col = pq.read_table(path, columns=[ID_COLUMN], filesystem=fs)[ID_COLUMN]
-        values = col.to_pylist()
+        try:
+            values = _scan_ids(storage, fs, path, columns)  # every page of every column the job reads
+        except PromptInputError as e:
+            bad.append(str(e).split("\n  ", 1)[-1])
+            continue
         n_bad = sum(1 for v in values if v is None or v.strip() == "")
         if n_bad:
-            bad_ids.append(f"{path}: {n_bad} null or empty prompt_id value(s)")
+            bad.append(f"{path}: {n_bad} null or empty prompt_id value(s)")
         ids.extend(v for v in values if v is not None and v.strip() != "")
-    if bad_ids:
-        raise PromptInputError("prompt input refused:\n  " + "\n  ".join(bad_ids))
+    if bad:
+        raise PromptInputError("prompt input refused:\n  " + "\n  ".join(bad))
+    if not ids:
+        raise PromptInputError(f"prompt input refused: no prompts (0 rows) in {storage.uri}")
     dupes = [(i, n) for i, n in Counter(ids).items() if n > 1]
     if dupes:
         named = ", ".join(f"{i!r} x{n}" for i, n in dupes[:_MAX_NAMED])
         more = f" and {len(dupes) - _MAX_NAMED} more" if len(dupes) > _MAX_NAMED else ""
         raise PromptInputError(f"prompt input refused: {len(dupes)} duplicate prompt_id value(s): {named}{more}")
-    columns = list(REQUIRED_COLUMNS) + ([SEED_COLUMN] if with_seed and all(with_seed) else [])
     return PromptSource(uri=storage.uri, filesystem=fs, paths=paths, columns=columns, ids=ids)
 
 
@@ -162,33 +204,6 @@ def derived_seed(prompt_id: str, base_seed: int) -> int:
 
 # ----------------------------------------------------------------------------------------
 # Resume and selection
-
-
-def read_telemetry(output: Storage, columns: Optional[list[str]] = None, name_prefix: str = "") -> pa.Table | None:
-    """All readable telemetry files under <output>/telemetry (optionally only files whose
-    name starts with `name_prefix`), concatenated; None when there are none. A file that
-    cannot be read (say, cut short by a crash) is skipped with a warning: its prompts are
-    simply redone."""
-    keys = [k for k in output.list_keys(TELEMETRY_DIR) if k.endswith(".parquet")]
-    keys = [k for k in keys if k.rsplit("/", 1)[-1].startswith(name_prefix)]
-    tables = []
-    for key in keys:
-        try:
-            tables.append(output.read_parquet(key, columns=columns))
-        except Exception as e:  # noqa: BLE001
-            log.warning("skipping unreadable telemetry file %s: %s", output.uri_for(key), e)
-    if not tables:
-        return None
-    return pa.concat_tables(tables, promote_options="default")
-
-
-def done_ids(output: Storage) -> set[str]:
-    """Prompt ids whose telemetry says ok (their image was stored before the row)."""
-    table = read_telemetry(output, columns=[ID_COLUMN, "status"])
-    if table is None:
-        return set()
-    ok = table.filter(pc.equal(table["status"], STATUS_OK))
-    return set(ok[ID_COLUMN].to_pylist())
 
 
 def select_ids(source: PromptSource, limit: Optional[int], done: set[str]) -> tuple[list[str], int]:

@@ -10,39 +10,52 @@ and Ray Data) built from the same endpoint, region and credentials. Both follow 
 AWS environment: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, AWS_REGION / AWS_DEFAULT_REGION,
 AWS_PROFILE, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, roles.
 Credentials are never stored on these objects' reprs nor logged.
+
+Every call is bounded: transient failures are retried for StorageSettings.retry_budget_s
+(pipeline.retry), then, like any permanent failure (no such bucket, access denied, an
+unwritable folder), end as `StorageUnavailable` naming the URI and the cause. The S3 half
+lives in pipeline/s3.py.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
+import fcntl
 import hashlib
+import io
 import os
 import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
+
+from pipeline.retry import StorageUnavailable, call_with_retry
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
     from pipeline.config import StorageSettings
 
+T = TypeVar("T")
+DEFAULT_RETRY_BUDGET_S = 90.0
+
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _MAX_NAME = 120
-# Credential providers whose keys expire: let pyarrow run its own refreshing chain for them.
-_REFRESHING_METHODS = {"iam-role", "container-role", "assume-role", "assume-role-with-web-identity", "sso", "custom-process"}
 
 
 def safe_name(prompt_id: str) -> str:
     """One path segment for `prompt_id`: the id itself when it is already plain
     ([A-Za-z0-9._-], not starting with a dot, at most 120 chars), else a cleaned prefix plus
-    a hash of the full id, so distinct ids keep distinct names and none can climb out."""
+    a hash of the full id, so distinct ids keep distinct names and none can climb out.
+    Ids with upper-case letters get the hash too: on a case-insensitive store (macOS,
+    Windows, some S3 gateways) `A` and `a` would otherwise land on one file."""
     cleaned = _UNSAFE.sub("_", prompt_id).lstrip(".")[:_MAX_NAME]
-    if cleaned == prompt_id and cleaned:
+    if cleaned == prompt_id and cleaned and cleaned == cleaned.lower():
         return cleaned
     digest = hashlib.sha256(prompt_id.encode("utf-8", "surrogatepass")).hexdigest()[:16]
     return f"{cleaned or 'id'}-{digest}"
@@ -99,6 +112,7 @@ class Storage(abc.ABC):
     """Objects under one root URI, addressed by relative keys."""
 
     location: Location
+    retry_budget_s: float = DEFAULT_RETRY_BUDGET_S
 
     @property
     def uri(self) -> str:
@@ -106,6 +120,10 @@ class Storage(abc.ABC):
 
     def uri_for(self, key: str = "") -> str:
         return self.location.uri + ("/" + check_key(key) if key else "")
+
+    def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:
+        """fn() under the retry budget; failures become StorageUnavailable naming the URI."""
+        return call_with_retry(fn, uri=self.uri_for(key) if key else self.uri, what=what, budget_s=self.retry_budget_s)
 
     @abc.abstractmethod
     def put_bytes(self, key: str, data: bytes, content_type: Optional[str] = None) -> str:
@@ -123,6 +141,22 @@ class Storage(abc.ABC):
         """Sorted keys (relative to the root) of all objects under `prefix`."""
 
     @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove one object (no error when it is already gone)."""
+
+    @abc.abstractmethod
+    def create(self, key: str, data: bytes) -> bool:
+        """Write `key` only if no object is there (atomically); False when one already was."""
+
+    @abc.abstractmethod
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """(content, version token) of one object; FileNotFoundError when absent."""
+
+    @abc.abstractmethod
+    def replace(self, key: str, data: bytes, token: str) -> bool:
+        """Overwrite `key` only while it still holds version `token`; False when it changed."""
+
+    @abc.abstractmethod
     def arrow_fs(self) -> pafs.FileSystem:
         """A pyarrow filesystem reaching this store (for Parquet and Ray Data)."""
 
@@ -133,20 +167,21 @@ class Storage(abc.ABC):
         return base + ("/" + check_key(key) if key else "")
 
     def write_parquet(self, key: str, table: "pa.Table") -> str:
-        """Write `table` as one Parquet object at `key`."""
+        """Write `table` as one Parquet object at `key` (atomically, under the retry budget)."""
         import pyarrow.parquet as pq
 
-        fs, path = self.arrow_fs(), self.arrow_path(key)
-        if self.location.scheme == "file":
-            fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-        pq.write_table(table, path, filesystem=fs)
-        return self.uri_for(key)
+        buf = io.BytesIO()
+        pq.write_table(table, buf)
+        return self.put_bytes(key, buf.getvalue(), "application/vnd.apache.parquet")
 
     def read_parquet(self, key: str, columns: Optional[list[str]] = None) -> "pa.Table":
         """Read the Parquet object or folder of objects at `key`."""
         import pyarrow.parquet as pq
 
-        return pq.read_table(self.arrow_path(key), filesystem=self.arrow_fs(), columns=columns)
+        def read() -> "pa.Table":
+            return pq.read_table(self.arrow_path(key), filesystem=self.arrow_fs(), columns=columns)
+
+        return self._call("read Parquet", key, read)
 
     def put_text(self, key: str, text: str, content_type: str = "text/plain; charset=utf-8") -> str:
         return self.put_bytes(key, text.encode(), content_type)
@@ -158,164 +193,143 @@ class Storage(abc.ABC):
         return f"{type(self).__name__}({self.uri!r})"
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it (Linux), else by the set-and-restore dance."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 class LocalStorage(Storage):
-    def __init__(self, location: Location):
+    """Files under a folder. Local errors are never transient: a full, read-only or
+    forbidden folder fails at once (StorageUnavailable)."""
+
+    def __init__(self, location: Location, retry_budget_s: float = DEFAULT_RETRY_BUDGET_S):
         self.location = location
         self.root = Path(location.path)
+        self.retry_budget_s = retry_budget_s
 
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
 
-    def put_bytes(self, key: str, data: bytes, content_type: Optional[str] = None) -> str:
-        path = self._path(key)
+    def _write_beside(self, path: Path, data: bytes) -> str:
+        """A complete temp file next to `path` with the mode the umask gives new files."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        # Write beside, then rename: a process killed mid-write leaves no partial object.
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-" + path.name[:40])
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
-            os.replace(tmp, path)
+            os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600; new files follow the umask
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+        return tmp
+
+    def put_bytes(self, key: str, data: bytes, content_type: Optional[str] = None) -> str:
+        path = self._path(key)
+
+        def put() -> None:
+            # Write beside, then rename: a process killed mid-write leaves no partial object.
+            tmp = self._write_beside(path, data)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+
+        self._call("write", key, put)
         return self.uri_for(key)
 
     def get_bytes(self, key: str) -> bytes:
-        return self._path(key).read_bytes()
+        return self._call("read", key, self._path(key).read_bytes)
 
     def exists(self, key: str) -> bool:
-        return self._path(key).is_file()
+        return self._call("stat", key, self._path(key).is_file)
 
     def list_keys(self, prefix: str = "") -> list[str]:
         base = self._path(prefix) if prefix else self.root
-        if base.is_file():
-            return [prefix]
-        if not base.is_dir():
-            return []
-        keys = [p.relative_to(self.root).as_posix() for p in base.rglob("*") if p.is_file()]
-        return sorted(k for k in keys if not Path(k).name.startswith(".tmp-"))
+
+        def walk() -> list[str]:
+            if base.is_file():
+                return [prefix]
+            if not base.is_dir():
+                return []
+            keys = [p.relative_to(self.root).as_posix() for p in base.rglob("*") if p.is_file()]
+            return sorted(k for k in keys if not Path(k).name.startswith((".tmp-", ".lock-")))
+
+        return self._call("list", prefix, walk)
+
+    def delete(self, key: str) -> None:
+        self._call("delete", key, lambda: self._path(key).unlink(missing_ok=True))
+
+    def create(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+
+        def create() -> bool:
+            tmp = self._write_beside(path, data)
+            try:
+                os.link(tmp, path)  # atomic create-if-absent (like O_EXCL), with the whole content
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                Path(tmp).unlink(missing_ok=True)
+
+        return self._call("create", key, create)
+
+    @staticmethod
+    def _token(data: bytes) -> str:
+        return hashlib.sha256(data).hexdigest()
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        data = self.get_bytes(key)
+        return data, self._token(data)
+
+    @contextlib.contextmanager
+    def _locked(self, path: Path):
+        lock = path.parent / f".lock-{path.name}"
+        with open(lock, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def replace(self, key: str, data: bytes, token: str) -> bool:
+        path = self._path(key)
+
+        def swap() -> bool:
+            with self._locked(path):  # compare-and-swap: every replace of this key takes the lock
+                try:
+                    if self._token(path.read_bytes()) != token:
+                        return False
+                except FileNotFoundError:
+                    return False
+                os.replace(self._write_beside(path, data), path)
+                return True
+
+        return self._call("replace", key, swap)
 
     def arrow_fs(self) -> pafs.FileSystem:
         return pafs.LocalFileSystem()
 
 
-# ----------------------------------------------------------------------------------------
-# S3
-
-
-@dataclass(frozen=True)
-class S3Options:
-    """Resolved endpoint/region/profile (no secrets)."""
-
-    endpoint_url: Optional[str]
-    region: str
-    profile: Optional[str]
-
-    @classmethod
-    def resolve(cls, settings: "StorageSettings | None" = None) -> "S3Options":
-        env = os.environ
-        endpoint = (settings.endpoint_url if settings else None) or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
-        region = (settings.region if settings else None) or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
-        profile = (settings.profile if settings else None) or env.get("AWS_PROFILE") or None
-        return cls(endpoint or None, region, profile)
-
-
-def _boto3_session(opts: S3Options):
-    import boto3
-
-    return boto3.session.Session(profile_name=opts.profile, region_name=opts.region)
-
-
-def s3_client(opts: S3Options):
-    """A boto3 S3 client for `opts` (path-style addressing on custom endpoints)."""
-    from botocore.config import Config
-
-    cfg = Config(retries={"max_attempts": 8, "mode": "standard"},
-                 s3={"addressing_style": "path"} if opts.endpoint_url else {})
-    return _boto3_session(opts).client("s3", endpoint_url=opts.endpoint_url, region_name=opts.region, config=cfg)
-
-
-def s3_arrow_fs(opts: S3Options) -> pafs.S3FileSystem:
-    """pyarrow's S3 filesystem with the same endpoint, region and credentials as boto3."""
-    kwargs: dict = {"region": opts.region}
-    if opts.endpoint_url:
-        u = urlparse(opts.endpoint_url)
-        kwargs["endpoint_override"] = u.netloc + u.path.rstrip("/")
-        kwargs["scheme"] = u.scheme or "https"
-    creds = _boto3_session(opts).get_credentials()
-    if creds is not None and creds.method not in _REFRESHING_METHODS:
-        frozen = creds.get_frozen_credentials()
-        kwargs.update(access_key=frozen.access_key, secret_key=frozen.secret_key)
-        if frozen.token:
-            kwargs["session_token"] = frozen.token
-    return pafs.S3FileSystem(**kwargs)
-
-
-class S3Storage(Storage):
-    def __init__(self, location: Location, opts: S3Options):
-        self.location = location
-        self.opts = opts
-        self._client = None
-
-    @property
-    def client(self):
-        if self._client is None:  # lazily: the object must pickle to Ray workers without a client
-            self._client = s3_client(self.opts)
-        return self._client
-
-    def __getstate__(self):
-        return {"location": self.location, "opts": self.opts, "_client": None}
-
-    def _key(self, key: str) -> str:
-        check_key(key)
-        return f"{self.location.path}/{key}" if self.location.path else key
-
-    def put_bytes(self, key: str, data: bytes, content_type: Optional[str] = None) -> str:
-        extra = {"ContentType": content_type} if content_type else {}
-        self.client.put_object(Bucket=self.location.bucket, Key=self._key(key), Body=data, **extra)
-        return self.uri_for(key)
-
-    def get_bytes(self, key: str) -> bytes:
-        try:
-            return self.client.get_object(Bucket=self.location.bucket, Key=self._key(key))["Body"].read()
-        except self.client.exceptions.NoSuchKey:
-            raise FileNotFoundError(self.uri_for(key)) from None
-
-    def exists(self, key: str) -> bool:
-        from botocore.exceptions import ClientError
-
-        try:
-            self.client.head_object(Bucket=self.location.bucket, Key=self._key(key))
-            return True
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-                return False
-            raise
-
-    def list_keys(self, prefix: str = "") -> list[str]:
-        root = self.location.path
-        full = self._key(prefix) if prefix else (root + "/" if root else "")
-        strip = len(root) + 1 if root else 0
-        keys: list[str] = []
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.location.bucket, Prefix=full):
-            for obj in page.get("Contents", []):
-                k = obj["Key"][strip:]
-                # A prefix "images/p1" must not match "images/p10.png" unless asked for a folder.
-                if not prefix or k == prefix or k.startswith(prefix.rstrip("/") + "/"):
-                    keys.append(k)
-        return sorted(keys)
-
-    def arrow_fs(self) -> pafs.FileSystem:
-        return s3_arrow_fs(self.opts)
-
-    def __repr__(self) -> str:
-        ep = f", endpoint={self.opts.endpoint_url!r}" if self.opts.endpoint_url else ""
-        return f"S3Storage({self.uri!r}{ep})"
-
-
 def open_storage(uri: str, settings: "StorageSettings | None" = None) -> Storage:
     """The store rooted at `uri` (a path, file:// or s3:// URI)."""
     loc = parse_uri(uri)
+    budget = settings.retry_budget_s if settings is not None else DEFAULT_RETRY_BUDGET_S
     if loc.scheme == "s3":
+        from pipeline.s3 import S3Options, S3Storage
+
         return S3Storage(loc, S3Options.resolve(settings))
-    return LocalStorage(loc)
+    return LocalStorage(loc, budget)
+
+
+__all__ = ["Location", "LocalStorage", "Storage", "StorageUnavailable", "check_key", "image_key", "is_remote",
+           "open_storage", "parse_uri", "safe_name"]

@@ -50,6 +50,7 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("method", pa.string(), "decoding method: ar | static | eagle2 | adt"),
     ("config_hash", pa.string(), "hash of what decides the images (JobConfig.config_hash)"),
     ("lossy", pa.bool_(), "true when acceptance was relaxed (LANTERN): output may differ from the target's distribution"),
+    ("sampler", pa.string(), "how drafts were verified: coupled | rejection (null when the engine does not say)"),
     ("grid_h", pa.int16(), "token grid height"),
     ("grid_w", pa.int16(), "token grid width"),
     ("tokens", pa.list_(pa.int16()), "token grid, row-major, grid_h * grid_w ids"),
@@ -148,6 +149,7 @@ def ok_row(ctx: RowContext, prompt_id: str, seed: int, image_key: str, result: A
         status=STATUS_OK,
         image_key=image_key,
         lossy=bool(getattr(s, "lossy", False)),
+        sampler=getattr(s, "sampler", None),
         grid_h=h,
         grid_w=w,
         tokens=ids,
@@ -189,21 +191,6 @@ def empty_table() -> pa.Table:
 
 # ----------------------------------------------------------------------------------------
 # Summary
-
-
-def latest_per_prompt(table: pa.Table) -> pa.Table:
-    """One row per prompt id: an ok row if any, else the latest failed one (rows of a
-    resumed job span several runs)."""
-    if table.num_rows == 0:
-        return table
-    ok = np.asarray(table["status"].to_pylist()) == STATUS_OK
-    ts = table["finished_at"].cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
-    order = sorted(range(table.num_rows), key=lambda i: (bool(ok[i]), ts[i]))
-    best: dict[str, int] = {}
-    ids = table["prompt_id"].to_pylist()
-    for i in order:  # later (better) rows overwrite earlier ones
-        best[ids[i]] = i
-    return table.take(sorted(best.values()))
 
 
 def _stats(values: list[float]) -> dict[str, Optional[float]]:

@@ -70,3 +70,15 @@ def ray_session():
 @pytest.fixture(autouse=True)
 def _no_fault_env(monkeypatch):
     monkeypatch.delenv("ADT_PIPELINE_FAULT", raising=False)
+
+
+@pytest.fixture
+def proxy(moto_endpoint):
+    """A cuttable TCP proxy in front of the loopback S3 server (.endpoint, .cut(), .restore())."""
+    from tcp_proxy import TcpProxy
+
+    p = TcpProxy(moto_endpoint)
+    try:
+        yield p
+    finally:
+        p.close()

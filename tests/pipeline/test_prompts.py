@@ -6,11 +6,11 @@ from pipeline.prompts import (
     MAX_SEED,
     PromptInputError,
     derived_seed,
-    done_ids,
     open_prompts,
     row_problem,
     select_ids,
 )
+from pipeline.ledger import done_ids
 from pipeline.storage import open_storage
 from pipeline.telemetry import RowContext, failed_row, to_table
 from pipeline_helpers import simple_rows, write_prompts

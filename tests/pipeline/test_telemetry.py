@@ -5,13 +5,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from pipeline.ledger import latest_per_prompt
 from pipeline.telemetry import (
     SCHEMA,
     RowContext,
     add_baseline,
     failed_row,
     format_summary,
-    latest_per_prompt,
     ok_row,
     summarize,
     to_table,

@@ -1,0 +1,158 @@
+"""The Ray side of the driver: which cluster to join, reaching it in bounded time, and how
+the actor pool is placed on it.
+
+- `ray_target`: `ray_address` or RAY_ADDRESS, else "local": a new in-process Ray, never a
+  cluster someone started with `ray start` on this machine unless asked for ("auto").
+- `connect`: host:port targets are probed with a TCP connect first (`ray_connect_timeout_s`)
+  and ray.init runs under the same deadline (an alarm), so a wrong address fails in seconds
+  with exit code 3 instead of hanging.
+- `plan_actors`: GPUs or CPU shares per actor, capped to what the cluster and the number of
+  prompts can use; a CPU share never below MIN_CPUS_PER_ACTOR.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+from urllib.parse import urlparse
+
+from pipeline.config import MIN_CPUS_PER_ACTOR, JobConfig
+
+LOCAL_OBJECT_STORE_BYTES = 1024**3
+
+
+class ClusterUnavailable(Exception):
+    """The Ray cluster cannot be reached or cannot host the actors (exit code 3)."""
+
+
+@dataclass
+class ActorPlan:
+    """How the actor pool is placed on the cluster."""
+
+    device: str  # "cuda" | "cpu"
+    num_actors: int
+    num_gpus: float  # per actor
+    num_cpus: float  # per actor
+    threads: int  # torch intra-op threads per actor
+    notes: list[str] = field(default_factory=list)
+
+
+def plan_actors(cfg: JobConfig, resources: dict[str, float], num_prompts: Optional[int] = None) -> ActorPlan:
+    """Decide GPUs/CPUs per actor from the cluster's resources, so the pool can always be
+    scheduled, read/write tasks keep a CPU (the 2-core deadlock in ray_notes), no actor gets
+    less than MIN_CPUS_PER_ACTOR, and no actor is started without a prompt to work on."""
+    gpus = float(resources.get("GPU", 0.0))
+    cpus = float(resources.get("CPU", 0.0))
+    n = cfg.num_actors
+    notes: list[str] = []
+    if cfg.device == "cuda" and gpus < cfg.gpus_per_actor:
+        raise ClusterUnavailable(f"device 'cuda' requested but the cluster has {gpus:g} GPU(s) "
+                                 f"(need {cfg.gpus_per_actor:g} per actor); use --device auto or cpu")
+    if cpus <= 0:
+        raise ClusterUnavailable("the Ray cluster reports no CPUs")
+    if num_prompts is not None and 0 < num_prompts < n:
+        notes.append(f"{n} actors requested for {num_prompts} prompt(s): running {num_prompts}")
+        n = num_prompts
+    if cfg.device != "cpu" and gpus >= cfg.gpus_per_actor:
+        fit = int(gpus // cfg.gpus_per_actor)
+        if fit < n:
+            notes.append(f"{n} actors requested but {gpus:g} GPUs fit {fit}: running {fit}")
+            n = fit
+        per_cpu = min(1.0, max(0.1, (cpus - 1.0) / n)) if cpus > 1 else cpus / (2 * n)
+        return ActorPlan("cuda", n, cfg.gpus_per_actor, per_cpu, 1, notes)
+    spare = 1.0 if cpus >= 2 else cpus / 2  # left for read, repartition and write tasks
+    budget = cpus - spare
+    if cfg.cpus_per_actor is not None:
+        per_cpu = cfg.cpus_per_actor
+        fit = int(budget // per_cpu + 1e-9)
+        if fit < 1:
+            raise ClusterUnavailable(
+                f"an actor of {per_cpu:g} CPUs leaves no CPU for the read/write tasks on a cluster with "
+                f"{cpus:g} CPUs (the job would hang): lower cpus_per_actor")
+    else:
+        fit = max(1, int(budget // MIN_CPUS_PER_ACTOR + 1e-9))
+        per_cpu = None
+    if fit < n:
+        share = per_cpu if per_cpu is not None else MIN_CPUS_PER_ACTOR
+        notes.append(f"{n} actors requested but {budget:g} CPU(s) for actors fit {fit} at {share:g} CPU each: running {fit}")
+        n = fit
+    if per_cpu is None:
+        per_cpu = budget / n
+    threads = max(1, int(per_cpu))
+    if cfg.device == "auto":
+        notes.insert(0, f"no GPUs in the cluster: running {n} CPU actor(s)")
+    return ActorPlan("cpu", n, 0.0, round(per_cpu, 4), threads, notes)
+
+
+# ----------------------------------------------------------------------------------------
+# Connecting
+
+
+def ray_target(cfg: JobConfig, env: Optional[dict[str, str]] = None) -> str:
+    """The address ray.init gets: the config's, else RAY_ADDRESS, else "local"."""
+    env = os.environ if env is None else env
+    return cfg.ray_address or env.get("RAY_ADDRESS") or "local"
+
+
+def _host_port(address: str) -> Optional[tuple[str, int]]:
+    """(host, port) of a host:port, ray:// or http(s):// address; None for local/auto."""
+    if address in ("local", "auto"):
+        return None
+    u = urlparse(address if "://" in address else f"tcp://{address}")
+    if u.hostname and u.port:
+        return u.hostname, u.port
+    return None
+
+
+def probe(address: str, timeout_s: float) -> None:
+    """Fail fast when nothing listens at the address (ClusterUnavailable naming it)."""
+    hp = _host_port(address)
+    if hp is None:
+        return
+    try:
+        with socket.create_connection(hp, timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise ClusterUnavailable(f"cannot reach the Ray cluster at {address}: {e.strerror or e} "
+                                 f"(waited up to {timeout_s:g} s; check --ray-address / RAY_ADDRESS)") from None
+
+
+def connect(cfg: JobConfig, say: Callable[[str], None]) -> bool:
+    """Connect to (or start) Ray within ray_connect_timeout_s; True when this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = ray_target(cfg)
+    timeout = cfg.ray_connect_timeout_s
+    if address == "local":
+        say("starting a local Ray in this process")
+        kwargs = dict(address="local", object_store_memory=LOCAL_OBJECT_STORE_BYTES, include_dashboard=False)
+    else:
+        say(f"connecting to Ray at {address}")
+        probe(address, timeout)
+        kwargs = dict(address=address)
+    if address == "local" or threading.current_thread() is not threading.main_thread():
+        ray.init(log_to_driver=True, **kwargs)
+        return True
+
+    def give_up(signum, frame):
+        raise ClusterUnavailable(f"Ray at {address} did not answer within {timeout:g} s (ray_connect_timeout_s)")
+
+    # ray.init retries a silent address for minutes: bound it with an alarm (main thread only).
+    previous = signal.signal(signal.SIGALRM, give_up)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        ray.init(log_to_driver=True, **kwargs)
+    except ClusterUnavailable:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure to join is "cluster unavailable"
+        raise ClusterUnavailable(f"cannot connect to Ray at {address}: {type(e).__name__}: {e}") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    return True

@@ -1,0 +1,174 @@
+"""The telemetry ledger: what a job has done, durable as it goes.
+
+The driver hands every batch of rows it receives from the workers to a `Ledger`, which
+writes them as one Parquet *part* under <output>/telemetry/ right away (or once
+`flush_rows` rows are waiting), so a driver killed mid-run loses only the batches still in
+flight: resume redoes at most about one batch per actor. At the end of a run (and at the
+start of the next, for a run that crashed) `compact` merges each run's parts into files of
+up to `rows_per_file` rows and deletes the parts, so a million images do not leave a
+million tiny files.
+
+    telemetry/<run id>-part-<seq>.parquet        written during a run
+    telemetry/<run id>_c<hash>_<n>.parquet       after compaction (hash of the merged parts)
+
+Reading: `read_telemetry` (every file, unreadable ones skipped: their prompts are redone),
+`done_ids` (ids whose row says ok) and `latest_per_prompt` (one row per id: an ok row,
+else the latest). A storage outage while reading is not "no telemetry": it raises
+StorageUnavailable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline.retry import StorageUnavailable
+from pipeline.storage import Storage
+from pipeline.telemetry import SCHEMA, STATUS_OK, TELEMETRY_DIR
+
+log = logging.getLogger(__name__)
+
+PART_MARK = "-part-"
+# Columns the run summary needs; the ledger keeps only these in memory.
+SUMMARY_COLUMNS = ["prompt_id", "status", "error", "finished_at", "speedup", "estimated_speedup",
+                   "mean_acceptance_length", "draft_acceptance_rate", "generation_time_ms", "baseline_tokens_match"]
+
+
+def _telemetry_keys(output: Storage) -> list[str]:
+    return [k for k in output.list_keys(TELEMETRY_DIR) if k.endswith(".parquet")]
+
+
+def _run_of(key: str) -> str:
+    name = key.rsplit("/", 1)[-1]
+    return name.split(PART_MARK, 1)[0] if PART_MARK in name else name.split("_c", 1)[0]
+
+
+def read_telemetry(output: Storage, columns: Optional[list[str]] = None, name_prefix: str = "") -> pa.Table | None:
+    """All readable telemetry files under <output>/telemetry (optionally only files whose
+    name starts with `name_prefix`), concatenated; None when there are none. A file that
+    cannot be parsed is skipped with a warning (its prompts are simply redone); a store
+    that cannot be reached raises StorageUnavailable."""
+    keys = [k for k in _telemetry_keys(output) if k.rsplit("/", 1)[-1].startswith(name_prefix)]
+    tables = []
+    for key in keys:
+        try:
+            tables.append(output.read_parquet(key, columns=columns))
+        except StorageUnavailable:
+            raise
+        except Exception as e:  # noqa: BLE001 - a damaged file, not an outage
+            log.warning("skipping unreadable telemetry file %s: %s", output.uri_for(key), e)
+    if not tables:
+        return None
+    return pa.concat_tables(tables, promote_options="default")
+
+
+def done_ids(output: Storage) -> set[str]:
+    """Prompt ids whose telemetry says ok (their image was stored before the row)."""
+    table = read_telemetry(output, columns=["prompt_id", "status"])
+    if table is None:
+        return set()
+    ok = table.filter(pc.equal(table["status"], STATUS_OK))
+    return set(ok["prompt_id"].to_pylist())
+
+
+def latest_per_prompt(table: pa.Table) -> pa.Table:
+    """One row per prompt id: an ok row if any, else the latest (by finished_at) failed one;
+    ties go to the later row. Rows keep their input order. Pure Arrow (sort + group)."""
+    n = table.num_rows
+    if n == 0:
+        return table
+    ok = pc.cast(pc.fill_null(pc.equal(table["status"], STATUS_OK), False), pa.int8())
+    ts = pc.fill_null(pc.cast(table["finished_at"], pa.int64()), 0)
+    keyed = pa.table({"prompt_id": table["prompt_id"], "ok": ok, "ts": ts, "idx": pa.array(np.arange(n, dtype=np.int64))})
+    keyed = keyed.sort_by([("ok", "ascending"), ("ts", "ascending"), ("idx", "ascending")])
+    best = keyed.group_by("prompt_id", use_threads=False).aggregate([("idx", "last")])["idx_last"]
+    return table.take(pa.array(np.sort(best.to_numpy())))
+
+
+# ----------------------------------------------------------------------------------------
+# Writing
+
+
+def _conform(table: pa.Table) -> pa.Table:
+    """Rows in the telemetry schema (column order and types; missing columns as nulls)."""
+    cols = [table[f.name].cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
+            for f in SCHEMA]
+    return pa.Table.from_arrays(cols, schema=SCHEMA)
+
+
+class Ledger:
+    """This run's telemetry: parts written as batches arrive, the summary columns kept."""
+
+    def __init__(self, output: Storage, run_id: str, flush_rows: int = 1):
+        self.output = output
+        self.run_id = run_id
+        self.flush_rows = flush_rows
+        self._pending: list[pa.Table] = []
+        self._kept: list[pa.Table] = []
+        self.seq = 0
+        self.rows_written = 0
+
+    def add(self, table: pa.Table) -> None:
+        """Take one batch of rows; writes a part once `flush_rows` rows are waiting."""
+        if table.num_rows == 0:
+            return
+        table = _conform(table)
+        self._pending.append(table)
+        self._kept.append(table.select(SUMMARY_COLUMNS))
+        if sum(t.num_rows for t in self._pending) >= self.flush_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the waiting rows as one part (under the storage retry budget)."""
+        if not self._pending:
+            return
+        table = pa.concat_tables(self._pending)
+        self.output.write_parquet(f"{TELEMETRY_DIR}/{self.run_id}{PART_MARK}{self.seq:06d}.parquet", table)
+        self.seq += 1
+        self.rows_written += table.num_rows
+        self._pending = []
+
+    @property
+    def rows_received(self) -> int:
+        return sum(t.num_rows for t in self._kept)
+
+    def rows(self) -> pa.Table:
+        """Every row this run received (summary columns only)."""
+        if not self._kept:
+            return SCHEMA.empty_table().select(SUMMARY_COLUMNS)
+        return pa.concat_tables(self._kept)
+
+
+def compact(output: Storage, rows_per_file: int = 100_000) -> int:
+    """Merge every run's parts into files of up to `rows_per_file` rows, then delete the
+    parts; returns the number of parts merged. Safe to repeat after a crash: the merged
+    files are named by a hash of their parts, written before any part is deleted."""
+    parts: dict[str, list[str]] = {}
+    for key in _telemetry_keys(output):
+        if PART_MARK in key.rsplit("/", 1)[-1]:
+            parts.setdefault(_run_of(key), []).append(key)
+    merged = 0
+    for run, keys in sorted(parts.items()):
+        keys.sort()
+        tables = []
+        for key in keys:
+            try:
+                tables.append(_conform(output.read_parquet(key)))
+            except StorageUnavailable:
+                raise
+            except Exception as e:  # noqa: BLE001 - a damaged part: its prompts are redone
+                log.warning("dropping unreadable telemetry part %s: %s", output.uri_for(key), e)
+        tag = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:8]
+        if tables:
+            table = pa.concat_tables(tables)
+            for i, start in enumerate(range(0, table.num_rows, rows_per_file)):
+                output.write_parquet(f"{TELEMETRY_DIR}/{run}_c{tag}_{i:03d}.parquet", table.slice(start, rows_per_file))
+        for key in keys:
+            output.delete(key)
+        merged += len(keys)
+    return merged
