@@ -144,7 +144,8 @@ def _check_engine_config(cfg: JobConfig) -> None:
         dc.sampling(_bundle_sampling(cfg))
     except (ValueError, TypeError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        where = "decode." if msg.split(" ", 1)[0].split(".", 1)[0] in ("adaptive", "lantern", "tree", "sampling") else "decode: "
+        head = msg.split(" ", 1)[0].split(".", 1)[0]
+        where = "decode." if head in set(d) | {"adaptive", "lantern", "tree", "sampling"} else "decode: "
         raise JobRefused(f"invalid job config: {where}{msg}") from None
 
 
@@ -270,14 +271,14 @@ def _execute(cfg: JobConfig, source: PromptSource, todo: list[str], ledger: Ledg
     return plan
 
 
-def run_job(cfg: JobConfig, stream: TextIO = sys.stdout) -> JobResult:
+def run_job(cfg: JobConfig, stream: Optional[TextIO] = None) -> JobResult:
     """Run one generation job end to end; raises JobRefused / StorageUnavailable /
     ClusterUnavailable / LeaseHeld / JobInterrupted when nothing could be done, else
     returns the summary and the exit code (EXIT_CODES)."""
     signals = _Signals()
     signals.install()
     try:
-        return _run(cfg, stream, signals)
+        return _run(cfg, sys.stdout if stream is None else stream, signals)
     finally:
         signals.restore()
 
@@ -404,8 +405,10 @@ def _exit_code(cfg: JobConfig, summary: dict[str, Any], stopped: Optional[BaseEx
     return EXIT_ROWS_FAILED if summary["failed"] and not cfg.allow_failures else EXIT_OK
 
 
-def main_guarded(cfg: JobConfig, stream: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+def main_guarded(cfg: JobConfig, stream: Optional[TextIO] = None, err: Optional[TextIO] = None) -> int:
     """run_job with every way it can end turned into one line and a documented exit code."""
+    stream = sys.stdout if stream is None else stream
+    err = sys.stderr if err is None else err
     try:
         return run_job(cfg, stream).exit_code
     except (JobRefused, ConfigError) as e:

@@ -71,7 +71,7 @@ def test_refused_up_front(tmp_path):
     err = io.StringIO()
     bad = job(tmp_path, dup, decode={"lantern": {"bogus": 1}})  # the engine rejects it, before any work
     assert main_guarded(bad, stream=io.StringIO(), err=err) == EXIT_BAD_INPUT
-    assert "decode:" in err.getvalue()
+    assert "decode.lantern: unknown field(s) bogus" in err.getvalue()
     err = io.StringIO()
     assert main_guarded(job(tmp_path, dup, bundle="no-such-bundle"), stream=io.StringIO(), err=err) == EXIT_BAD_INPUT
     assert "bundle 'no-such-bundle' not found" in err.getvalue()
