@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import build_config
+from pipeline.config import ConfigError, build_config
 from pipeline.driver import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
@@ -82,10 +82,11 @@ def test_storage_outage_mid_job_exits_4_and_resume_finishes(tmp_path, ray_sessio
 def test_sigterm_mid_job_ends_cleanly_with_a_summary(tmp_path, ray_session):
     rows = simple_rows(60)
     src = write_prompts(tmp_path / "p.parquet", rows)
-    img_dir = tmp_path / "out" / "images"
+    tel_dir = tmp_path / "out" / "telemetry"
     previous = signal.signal(signal.SIGTERM, lambda *a: None)  # a late signal must not end pytest
-    try:
-        watcher = _when(lambda: img_dir.is_dir() and any(img_dir.iterdir()), lambda: os.kill(os.getpid(), signal.SIGTERM))
+    try:  # SIGTERM once the first batch of rows is durable
+        watcher = _when(lambda: tel_dir.is_dir() and any(tel_dir.glob("*.parquet")),
+                        lambda: os.kill(os.getpid(), signal.SIGTERM))
         res = run_job(job(tmp_path, src), stream=io.StringIO())
         watcher.join()
     finally:
@@ -94,7 +95,7 @@ def test_sigterm_mid_job_ends_cleanly_with_a_summary(tmp_path, ray_session):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["status"] == "interrupted" and "SIGTERM" in summary["error"]
     durable = read_telemetry(open_storage(str(tmp_path / "out")))
-    assert durable.num_rows == summary["durable_rows"] == summary["processed"] < len(rows)
+    assert 0 < durable.num_rows == summary["durable_rows"] == summary["processed"] < len(rows)
     assert not (tmp_path / "out" / LEASE_KEY).exists()
     done = run_job(job(tmp_path, src, resume=True), stream=io.StringIO())
     assert done.exit_code == EXIT_OK and done.summary["job_ok"] == len(rows)
@@ -138,10 +139,11 @@ SECRET = "S3cr3t-" + os.urandom(6).hex()
 def test_secrets_never_reach_outputs_or_ray_logs(tmp_path, ray_session, s3, monkeypatch, capfd):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)  # the driver's own credential
     src = write_prompts(tmp_path / "p.parquet", simple_rows(3))
+    with pytest.raises(ConfigError) as refused:
+        job(tmp_path, src, output=f"s3://{s3.bucket}/leak",
+            storage={"endpoint_url": s3.endpoint.replace("http://", f"http://admin:{SECRET}@")})
+    assert "storage.endpoint_url" in str(refused.value) and SECRET not in str(refused.value)
     err = io.StringIO()
-    leaky = job(tmp_path, src, output=f"s3://{s3.bucket}/leak", storage={"endpoint_url": s3.endpoint.replace(
-        "http://", f"http://admin:{SECRET}@")})
-    assert main_guarded(leaky, stream=io.StringIO(), err=err) == EXIT_BAD_INPUT and SECRET not in err.getvalue()
     out = io.StringIO()
     res = run_job(job(tmp_path, src, output=f"s3://{s3.bucket}/ok", storage={"endpoint_url": s3.endpoint}), stream=out)
     assert res.exit_code == EXIT_OK
