@@ -7,8 +7,9 @@
 
 Options come from pipeline.config.JobConfig: defaults < --config file < flags. Every
 flag below is one JobConfig field (dotted names reach nested fields). Exit codes: 0 done,
-1 some rows failed (unless --allow-failures), 2 bad config or prompt input, 3 the cluster
-cannot host the actors.
+1 some rows failed (unless --allow-failures), 2 bad config, prompt input or resume, 3 Ray
+cluster unreachable or too small, 4 storage unavailable, 5 output in use by another job,
+6 interrupted (SIGTERM/SIGINT), 7 internal error.
 """
 
 from __future__ import annotations

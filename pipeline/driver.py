@@ -43,6 +43,7 @@ from typing import Any, Optional, TextIO
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.checks import JobRefused, check_bundle, check_engine_config
 from pipeline.cluster import ActorPlan, ClusterUnavailable, connect, plan_actors
 from pipeline.config import ConfigError, JobConfig
 from pipeline.history import ConfigChanged, check_and_record, finish_record
@@ -76,14 +77,6 @@ EXIT_CODES = {
 }
 
 
-class JobRefused(Exception):
-    """The job cannot start; nothing was generated. `exit_code` says why."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_BAD_INPUT):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
 class JobInterrupted(BaseException):
     """SIGTERM / SIGINT arrived (a BaseException, like KeyboardInterrupt, so that no
     `except Exception` on the way swallows it)."""
@@ -108,57 +101,6 @@ def _absolute(cfg: JobConfig) -> JobConfig:
         if not is_remote(value):
             upd[name] = parse_uri(value).path
     return cfg.model_copy(update=upd)
-
-
-def _bundle_sampling(cfg: JobConfig):
-    """The bundle's sampling defaults when they can be read without loading weights."""
-    from adt_core import SamplingConfig
-
-    if cfg.bundle == "random" or cfg.bundle.startswith("random:"):
-        return SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, cfg_scale=2.0)  # random_bundle's defaults
-    try:
-        from adt_core.models.bundle import resolve_bundle_dir
-
-        meta = json.loads((resolve_bundle_dir(cfg.bundle) / "bundle.json").read_text())
-        return SamplingConfig(**meta["sampling"])
-    except (OSError, KeyError, ValueError, TypeError):
-        return SamplingConfig()
-
-
-def _check_engine_config(cfg: JobConfig) -> None:
-    """Build the engine's whole DecodeConfig (and the sampling it resolves to) now, so a bad
-    field is refused in one line naming it, not inside every actor after Ray started."""
-    import dataclasses
-
-    from adt_core import AdaptiveConfig, DecodeConfig, LanternConfig
-
-    d = cfg.decode.engine_dict("cpu")
-    for name, cls in (("adaptive", AdaptiveConfig), ("lantern", LanternConfig)):
-        sub = d.get(name)
-        if isinstance(sub, dict):
-            unknown = sorted(set(sub) - {f.name for f in dataclasses.fields(cls)})
-            if unknown:
-                raise JobRefused(f"invalid job config: decode.{name}: unknown field(s) {', '.join(unknown)}")
-    try:
-        dc = DecodeConfig.from_dict(d)
-        dc.sampling(_bundle_sampling(cfg))
-    except (ValueError, TypeError) as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        head = msg.split(" ", 1)[0].split(".", 1)[0]
-        where = "decode." if head in set(d) | {"adaptive", "lantern", "tree", "sampling"} else "decode: "
-        raise JobRefused(f"invalid job config: {where}{msg}") from None
-
-
-def _check_bundle(cfg: JobConfig) -> None:
-    """A bundle name or path must resolve here (the driver runs beside the workers' image)."""
-    if cfg.bundle == "random" or cfg.bundle.startswith("random:"):
-        return
-    from adt_core.models.bundle import resolve_bundle_dir
-
-    try:
-        resolve_bundle_dir(cfg.bundle)
-    except (FileNotFoundError, OSError) as e:
-        raise JobRefused(f"bundle {cfg.bundle!r} not found: {e} (use --bundle random for a tiny random model)") from None
 
 
 def _keep_ids(batch: pa.Table, ids: pa.Array) -> pa.Table:
@@ -287,8 +229,8 @@ def _run(cfg: JobConfig, stream: TextIO, signals: _Signals) -> JobResult:
     t_job = time.perf_counter()
     say = _Printer(stream)
     cfg = _absolute(cfg)
-    _check_engine_config(cfg)
-    _check_bundle(cfg)
+    check_engine_config(cfg)
+    check_bundle(cfg)
     try:
         output = open_storage(cfg.output, cfg.storage)
         source = open_prompts(cfg.input, cfg.storage)
