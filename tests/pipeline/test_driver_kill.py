@@ -3,6 +3,7 @@ as a real subprocess with its own local Ray (own temp dir); everything it starte
 stopped by PID afterwards."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -73,6 +74,7 @@ def kill_driver_after(src: Path, out: Path, n_images: int, actors: int, batch: i
             except ProcessLookupError:
                 pass
         log.close()
+        shutil.rmtree(temp, ignore_errors=True)
     stored = {p.stem for p in (out / "images").iterdir() if p.suffix == ".png"}
     return len(stored), len(stored - durable_ok_ids(out))
 
