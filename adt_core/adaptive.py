@@ -14,9 +14,9 @@ Definition (docs/adt_tree.md; every constant is a field of `AdaptiveConfig`):
    alpha <  beta: d <- d - ceil((d - d_min) / 2), k <- k + ceil((k_max - k) / 2)   (shallower, wider)
    `mode="step"` moves by fixed steps l_d, l_k instead, clamped to the bounds.
 3. Budget. `budget="shape"`: n = clamp(round(gamma * d * k), n_min, n_max), never more than the
-   k + (d-1) k^2 candidates the tree can hold. `budget="cost"`: after expansion, n maximises
-   (1 + sum of the n highest path confidences) / (cost(n + 1 tokens) + draft cost), with cost
-   from the measured `CostTable`.
+   k + (d-1) k^2 candidates the tree can hold. `budget="cost"`: the batch cost budget of
+   adt_core/budget.py decides whether to draft, how many levels and how many nodes per image,
+   from the measured `CostTable` of this device at this batch size.
 """
 
 from __future__ import annotations
@@ -24,9 +24,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
-from adt_core.calibrate import CostTable
 from adt_core.config import AdaptiveConfig
 
 
@@ -60,24 +57,6 @@ def shape_budget(d: int, k: int, cfg: AdaptiveConfig) -> int:
     """Rule 3 (shape mode): n = clamp(round(gamma d k), n_min, n_max) <= tree capacity."""
     n = min(max(round(cfg.gamma * d * k), cfg.n_min), cfg.n_max)
     return max(1, min(n, k + (d - 1) * k * k))
-
-
-def cost_budget(scores: torch.Tensor, costs: CostTable, draft_ms: float, cfg: AdaptiveConfig) -> int:
-    """Rule 3 (cost mode): scores (M,) cumulative draft log-probs of the candidates.
-
-    Expected committed tokens with the n best nodes ~ 1 + sum of their path confidences
-    (EAGLE-2's estimate); time ~ target cost of root + n tokens + this round's draft cost.
-    """
-    conf = scores.float().exp().sort(descending=True).values.cpu()  # (M,)
-    hi = min(cfg.n_max, conf.numel())
-    lo = min(cfg.n_min, hi)
-    gain = 1.0 + conf.cumsum(0)  # gain[i] = expected tokens with n = i + 1
-    best_n, best = lo, -1.0
-    for n in range(max(lo, 1), hi + 1):
-        rate = float(gain[n - 1]) / (costs.cost(n + 1) + draft_ms)
-        if rate > best:
-            best_n, best = n, rate
-    return best_n
 
 
 class AdaptiveController:

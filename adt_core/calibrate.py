@@ -1,15 +1,21 @@
-"""Measured cost of one target forward as a function of the number of new tokens.
+"""Measured cost of target forwards and draft levels as a function of the tokens they carry.
 
 Speculative decoding pays off when verifying n tokens at once costs much less than n single
-steps. On a GPU cost(n) is nearly flat up to large n; on a CPU it grows early. The cost-aware
-budget (ADT-Tree, "cost" mode) reads this table, and `python -m jobs.bench --calibrate` prints it.
+steps. On a GPU cost(n) is nearly flat up to large n; on a CPU it grows early, and with many
+images in flight a forward is already wide before any draft token is added. Both tables are
+keyed by the TOTAL new tokens of one forward over every slot in flight (per CFG pair: with
+guidance each token runs on a cond and an uncond row), measured with up to `slots` slots of
+equal width on a mid-image prefix. The batch cost budget (adt_core/budget.py) reads them;
+`python -m jobs.bench --calibrate` prints them.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,24 +36,70 @@ class Timer:
         return time.perf_counter() * 1000.0
 
 
+def _interp(table: dict[int, float], n: float) -> float:
+    """Linear between measured sizes, linearly extrapolated past the largest."""
+    xs = sorted(table)
+    if n <= xs[0]:
+        return table[xs[0]]
+    for a, b in zip(xs, xs[1:]):
+        if n <= b:
+            return table[a] + (table[b] - table[a]) * (n - a) / (b - a)
+    if len(xs) == 1:
+        return table[xs[0]] * n / xs[0]
+    a, b = xs[-2], xs[-1]
+    return table[b] + (table[b] - table[a]) * (n - b) / (b - a)
+
+
 @dataclass(frozen=True)
 class CostTable:
-    ms: dict[int, float]  # new tokens -> median milliseconds of one target forward
-    draft_level_ms: float = 0.0  # one drafter level (a width-k frontier, all CFG rows, head + top-k)
+    ms: dict[int, float]  # total new tokens in one target forward -> median milliseconds
+    draft_level_ms: float = 0.0  # one draft level of the calibration width for one slot
+    draft: dict[int, float] = field(default_factory=dict)  # total frontier tokens of one draft level -> ms
 
     def ratio(self, n: int) -> float:
         return self.cost(n) / self.ms[min(self.ms)]
 
-    def cost(self, n: int) -> float:
-        """Milliseconds for n new tokens, linear between measured sizes (flat-extrapolated)."""
-        xs = sorted(self.ms)
-        if n <= xs[0]:
-            return self.ms[xs[0]]
-        for a, b in zip(xs, xs[1:]):
-            if n <= b:
-                return self.ms[a] + (self.ms[b] - self.ms[a]) * (n - a) / (b - a)
-        a, b = xs[-2], xs[-1]
-        return self.ms[b] + (self.ms[b] - self.ms[a]) * (n - b) / (b - a)
+    def cost(self, n: float) -> float:
+        """Milliseconds of a target forward carrying n new tokens in total."""
+        return _interp(self.ms, n)
+
+    def draft_cost(self, n: float) -> float:
+        """Milliseconds of one drafter level over n frontier tokens in total (0 tokens: free)."""
+        if n <= 0:
+            return 0.0
+        return _interp(self.draft, n) if self.draft else self.draft_level_ms
+
+    def to_json(self) -> str:
+        return json.dumps({"ms": self.ms, "draft_level_ms": self.draft_level_ms, "draft": self.draft}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CostTable":
+        d = json.loads(text)
+        return cls({int(k): float(v) for k, v in d["ms"].items()}, float(d.get("draft_level_ms", 0.0)),
+                   {int(k): float(v) for k, v in d.get("draft", {}).items()})
+
+
+def batch_sizes(slots: int, widest: int = 17) -> tuple[int, ...]:
+    """Totals worth measuring for `slots` in flight: small trees of one image and whole
+    batches of trees up to `widest` tokens per slot."""
+    per_slot = (1, 2, 3, 5, 9, widest)
+    return tuple(sorted(set(SIZES) | {slots * s for s in per_slot}))
+
+
+def _split(total: int, slots: int) -> tuple[int, int]:
+    b = max(1, min(slots, total))
+    return b, math.ceil(total / b)
+
+
+def _median_ms(fn, timer: Timer, repeats: int, warmup: int) -> float:
+    times = []
+    for i in range(warmup + repeats):
+        t0 = timer.now()
+        fn()
+        t1 = timer.now()
+        if i >= warmup:
+            times.append(t1 - t0)
+    return statistics.median(times)
 
 
 @torch.inference_mode()
@@ -58,64 +110,66 @@ def measure_target_cost(
     prefix_len: int | None = None,
     repeats: int = 7,
     warmup: int = 2,
+    slots: int = 1,
 ) -> CostTable:
-    """Median time of a forward of n tree tokens on top of a cached prefix, per n in `sizes`.
-
-    rows: 2 with classifier-free guidance (cond + uncond), else 1. prefix_len defaults to the
-    captions plus half the image (a typical mid-image state).
-    """
+    """Median time of a target forward carrying each total in `sizes`, split over up to `slots`
+    slots (rows: 2 per slot with classifier-free guidance, else 1) on a cached prefix of
+    `prefix_len` (default: captions plus half the image, a typical mid-image state)."""
     cfg = target.config
-    p = target.output.weight
-    dev = p.device
+    dev = target.output.weight.device
     prefix = prefix_len if prefix_len is not None else cfg.cls_token_num + cfg.num_image_tokens // 2
-    cache = target.new_cache(rows, prefix + max(sizes))
     timer = Timer(dev)
-    toks = torch.randint(0, cfg.vocab_size, (rows, prefix + max(sizes)), device=dev)
     causal = lambda n: torch.ones(n, n, dtype=torch.bool, device=dev).tril()  # noqa: E731
-    target(torch.arange(prefix, device=dev), cache.attn_mask(causal(prefix)), cache,
-           tokens=toks[:, :prefix])
     out: dict[int, float] = {}
-    for n in sizes:
-        pos = (prefix + torch.arange(n, device=dev)).clamp(max=len(target.rope) - 1)
-        times = []
-        for i in range(warmup + repeats):
-            t0 = timer.now()
-            target(pos, cache.attn_mask(causal(n)), cache, tokens=toks[:, prefix : prefix + n])
-            t1 = timer.now()
+    for total in sizes:
+        b, s = _split(total, slots)
+        r = rows * b
+        cache = target.new_cache(r, prefix + s)
+        toks = torch.randint(0, cfg.vocab_size, (r, prefix + s), device=dev)
+        target(torch.arange(prefix, device=dev), cache.attn_mask(causal(prefix)), cache, tokens=toks[:, :prefix])
+        pos = (prefix + torch.arange(s, device=dev)).clamp(max=len(target.rope) - 1)
+
+        def step():
+            target(pos, cache.attn_mask(causal(s)), cache, tokens=toks[:, prefix:])
             cache.truncate(prefix)
-            if i >= warmup:
-                times.append(t1 - t0)
-        out[n] = statistics.median(times)
+
+        out[total] = _median_ms(step, timer, repeats, warmup)
     return CostTable(out)
 
 
 @torch.inference_mode()
-def measure_draft_level(drafter, head, cfg_scale: float, rows: int, width: int = 10, levels: int = 5,
-                        prefix_len: int = 128, repeats: int = 5, warmup: int = 1) -> float:
-    """Median milliseconds of one draft level: (time of a `levels`-level EAGLE-2 proposal minus a
-    1-level one) / (levels - 1), through the real `TreeProposer` on a random prefix."""
-    from adt_core.draft import TreeProposer
+def measure_draft_cost(drafter, head, cfg_scale: float, rows: int, sizes: tuple[int, ...], slots: int = 1,
+                       prefix_len: int = 128, repeats: int = 5, warmup: int = 1) -> dict[int, float]:
+    """Median milliseconds of one draft level carrying each total of frontier tokens in `sizes`
+    (split over up to `slots` slots): a drafter forward under a mask on a cached prefix, the
+    target's head, CFG mixing and the top-k of every node, as `TreeProposer` runs it."""
+    from adt_core.sampling import cfg_mix
 
     cfg, w = drafter.config, drafter.fc.weight
-    width = min(width, cfg.vocab_size)
-    prefix = max(1, min(prefix_len, len(drafter.rope) - levels - 1))
-    proposer = TreeProposer(drafter, head, cfg_scale, rows, prefix + 1 + levels * width)
     timer = Timer(w.device)
-    hidden = torch.randn(rows, prefix + 1, cfg.dim, device=w.device, dtype=w.dtype)
-    tokens = torch.randint(0, cfg.vocab_size, (prefix + 1,)).tolist()
+    prefix = max(1, min(prefix_len, len(drafter.rope) - 2))
+    out: dict[int, float] = {}
+    for total in sizes:
+        b, f = _split(total, slots)
+        r = rows * b
+        cache = drafter.new_cache(r, prefix + f)
+        hid = torch.randn(r, prefix + f, cfg.dim, device=w.device, dtype=w.dtype)
+        tok = torch.randint(0, cfg.vocab_size, (r, prefix + f), device=w.device)
+        causal = torch.ones(prefix, prefix, dtype=torch.bool, device=w.device).tril()
+        drafter(tok[:, :prefix], hid[:, :prefix], torch.arange(prefix, device=w.device), cache.attn_mask(causal), cache)
+        pos = torch.full((f,), prefix, dtype=torch.long, device=w.device)
+        eye = torch.eye(f, dtype=torch.bool, device=w.device)
 
-    def one(depth: int) -> float:
-        proposer.cache.truncate(0)
-        proposer.observe(hidden[:, :prefix], tokens[:prefix], 0)
-        proposer._feed_pending()  # the prefix; only the proposal below is timed
-        proposer.observe(hidden[:, prefix:], tokens[prefix:], prefix)
-        t0 = timer.now()
-        proposer.propose_dynamic(tokens[-1], prefix, depth, width, budget=width * depth)
-        return timer.now() - t0
+        def level():
+            feats = drafter(tok[:, prefix:], hid[:, prefix:], pos, cache.attn_mask(eye), cache)
+            cache.truncate(prefix)
+            mixed = cfg_mix(head(feats), cfg_scale) if rows == 2 else head(feats)
+            torch.topk(mixed.log_softmax(-1), min(10, mixed.shape[-1]), dim=-1)
 
-    diffs = []
-    for i in range(warmup + repeats):
-        full, single = one(levels), one(1)
-        if i >= warmup:
-            diffs.append((full - single) / (levels - 1))
-    return max(statistics.median(diffs), 0.0)
+        out[total] = _median_ms(level, timer, repeats, warmup)
+    return out
+
+
+def measure_draft_level(drafter, head, cfg_scale: float, rows: int, width: int = 10, repeats: int = 5) -> float:
+    """Milliseconds of one draft level of `width` frontier nodes for one slot."""
+    return measure_draft_cost(drafter, head, cfg_scale, rows, (width,), repeats=repeats)[width]

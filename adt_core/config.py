@@ -158,6 +158,7 @@ class DecodeConfig:
     draft_score: path score of coupled drafts for EAGLE-2 reranking and the cost budget:
         "perturbed" (log-softmax of the drafter's warped logits plus the noise: a match
         probability) or "logq" (cumulative log q, EAGLE-2's own); see docs/adt_tree.md.
+    batch_size: images in flight in one Generator (continuous refill; every method).
     device: "cpu", "cuda", "cuda:0", ...; dtype: "float32" | "bfloat16" | "float16" (or the
         torch dtype).
     max_tokens: stop after this many image tokens (None = the whole grid); the rest of the
@@ -174,6 +175,7 @@ class DecodeConfig:
     lantern: LanternConfig | None = None
     sampler: str = "coupled"
     draft_score: str = "perturbed"
+    batch_size: int = 8
     device: str = "cpu"
     dtype: str = "float32"
     max_tokens: int | None = None
@@ -185,6 +187,7 @@ class DecodeConfig:
         _check(self.dtype in DTYPES, "dtype", f"one of {DTYPES}", self.dtype)
         _check(self.sampler in SAMPLERS, "sampler", f"one of {SAMPLERS}", self.sampler)
         _check(self.draft_score in DRAFT_SCORES, "draft_score", f"one of {DRAFT_SCORES}", self.draft_score)
+        _check(_is_int(self.batch_size) and self.batch_size >= 1, "batch_size", "an integer >= 1", self.batch_size)
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
                "none or an integer >= 1", self.max_tokens)
         for name in ("temperature", "top_k", "top_p", "cfg_scale"):

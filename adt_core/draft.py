@@ -1,19 +1,21 @@
-"""The drafter side of speculative decoding: propose a tree, observe what was accepted.
+"""The drafter side of speculative decoding, for many images (slots) at once.
 
-`TreeProposer` drives an EAGLE-style `Drafter` with its own KV cache holding the accepted
-prefix. `observe` queues the (target hidden state, next token) pairs of newly committed tokens;
-`propose` first feeds those pairs, then expands a tree level by level under a tree mask,
-then forgets the tree nodes again (the cache keeps only committed pairs).
+`TreeProposer` drives an EAGLE-style `Drafter` with its own ragged KV cache: slot b owns rows
+b (and slots + b with CFG) holding that image's committed (hidden, token) pairs. `observe`
+queues the pairs of newly committed tokens per slot (pairs queue up over rounds that did not
+draft: the drafter then catches up in one forward); `propose` feeds every queued pair in ONE
+padded forward, expands all requested trees level by level with ONE drafter forward per level
+over every slot's frontier (per-row positions and tree masks), then forgets the tree nodes
+(each row keeps only committed pairs). It returns each slot's candidate pool; the caller picks
+how many nodes to keep (`tree.rerank`).
 
-Expansion shapes:
-- EAGLE-2 dynamic (`propose_dynamic`): level 1 = top-k children of the root; each next level
-  expands the k best candidates of the previous level by cumulative log-probability into k
-  children each; finally the `budget` best candidates overall are kept (rerank).
-- static (`propose_static`): a fixed tree given as paths of child ranks.
+Expansion shapes (per slot):
+- dynamic (EAGLE-2 / ADT-Tree): level 1 = top-k children of the root; each next level expands
+  the k best candidates of the previous level by path score into k children each.
+- static: a fixed tree given as {path of child ranks: child ranks}.
 """
 
 from __future__ import annotations
-
 
 from dataclasses import dataclass
 from typing import Callable
@@ -24,7 +26,7 @@ from adt_core.config import SamplingConfig
 from adt_core.kv_cache import KVCache
 from adt_core.models.drafter import Drafter
 from adt_core.sampling import cfg_mix, warp
-from adt_core.tree import CandidatePool, DraftTree, rerank, static_children, top_frontier
+from adt_core.tree import CandidatePool, top_frontier
 
 SCORE_FLOOR = -1e4  # log-score floor: a child of a removed (-inf) token still scores below its parent
 
@@ -45,14 +47,34 @@ class DraftScorer:
     perturbed: bool = True
 
     def __call__(self, mixed: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """mixed (F, V) draft logits, noise (V,) or None -> (select key (F, V), score (F, V))."""
+        """mixed (..., F, V) draft logits, noise (..., 1, V) or None -> (select key, score), each (..., F, V)."""
         if self.coupled is None or noise is None:
             logq = mixed.float().log_softmax(-1)
             return logq, logq
-        warped = warp(mixed, self.coupled)  # (F, V), removed tokens -inf
+        warped = warp(mixed, self.coupled)  # removed tokens -inf
         pert = warped + noise.to(warped.dtype)
         score = (pert if self.perturbed else warped).log_softmax(-1).clamp(min=SCORE_FLOOR)
         return pert, score
+
+
+@dataclass
+class DraftRequest:
+    """One slot's tree this round. The root is the slot's last committed token."""
+
+    root_token: int
+    root_position: int  # sequence position of the root
+    depth: int  # draft levels at most (>= 1)
+    width: int = 1  # dynamic trees: top-k per expansion and frontier size
+    static: dict[tuple[int, ...], list[int]] | None = None  # static trees: node path -> child ranks
+    noise: torch.Tensor | None = None  # (depth, V) coupled Gumbel rows of the drafted positions
+    min_confidence: float = 0.0  # stop this slot once its expanded paths' confidences sum below this
+
+
+@dataclass
+class _Pending:
+    tokens: list[int]
+    hidden: torch.Tensor  # (cfg rows, P, dim) target states at the positions before each token
+    first_position: int
 
 
 class TreeProposer:
@@ -61,110 +83,202 @@ class TreeProposer:
         self.drafter, self.head, self.cfg_scale, self.scorer = drafter, head, cfg_scale, scorer
         self.cache: KVCache = drafter.new_cache(rows, max_len)
         self.rows = rows
-        self._pending: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.cfg_rows = 2 if cfg_scale != 1.0 else 1
+        self.slots = rows // self.cfg_rows
+        self._pending: dict[int, _Pending] = {}
         self.forwards = 0  # drafter forward passes so far
 
+    def _rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Slot indices (n,) -> their cache rows (cfg * n,), cond rows first."""
+        return torch.cat([slots + c * self.slots for c in range(self.cfg_rows)])
+
     # ---- committed sequence -------------------------------------------------------------
-    def observe(self, hidden: torch.Tensor, tokens: list[int], first_position: int) -> None:
-        """Queue pairs (hidden[:, i], tokens[i]) for positions first_position + i.
+    def reset(self, slot: int) -> None:
+        """A new image in `slot`: its rows start empty."""
+        self._pending.pop(slot, None)
+        lengths = self.cache.lengths.clone()
+        lengths[self._rows(torch.tensor([slot], device=lengths.device))] = 0
+        self.cache.set_lengths(lengths)
 
-        hidden: (R, P, dim) target states at the positions BEFORE each token.
-        """
-        dev = hidden.device
-        tok = torch.tensor(tokens, dtype=torch.long, device=dev)[None].expand(self.rows, -1)  # (R, P)
-        self._pending = (tok, hidden, first_position)
+    def observe(self, slot: int, hidden: torch.Tensor, tokens: list[int], first_position: int) -> None:
+        """Queue pairs (hidden[:, i], tokens[i]) at positions first_position + i for `slot`.
 
-    def _feed_pending(self) -> torch.Tensor:
-        """Run queued pairs into the cache; returns the last feature (R, dim)."""
-        if self._pending is None:
-            raise RuntimeError("propose() before observe()")
-        tok, hidden, pos0 = self._pending
-        p = tok.shape[1]
-        positions = torch.arange(pos0, pos0 + p, device=tok.device)
-        causal = torch.ones(p, p, dtype=torch.bool, device=tok.device).tril()
-        feats = self.drafter(tok, hidden, positions, self.cache.attn_mask(causal), self.cache)  # (R, P, dim)
+        hidden: (cfg rows, P, dim) target states at the positions BEFORE each token."""
+        old = self._pending.get(slot)
+        if old is None:
+            self._pending[slot] = _Pending(list(tokens), hidden, first_position)
+        else:  # a round without drafting: the pairs wait for the next feed
+            if old.first_position + len(old.tokens) != first_position:
+                raise RuntimeError("observe() pairs must follow the queued ones")
+            self._pending[slot] = _Pending(old.tokens + list(tokens), torch.cat([old.hidden, hidden], 1),
+                                           old.first_position)
+
+    def _feed(self, slots: list[int]) -> torch.Tensor:
+        """Run the queued pairs of `slots` in one padded forward; returns (R, dim): each row's
+        last feature (rows of slots without pairs: zeros)."""
+        dev = self.cache.k.device
+        dim = self.drafter.config.dim
+        out = torch.zeros(self.rows, dim, device=dev, dtype=self.cache.k.dtype)
+        todo = [s for s in slots if s in self._pending]
+        if not todo:
+            return out
+        p_max = max(len(self._pending[s].tokens) for s in todo)
+        tok = torch.zeros(self.rows, p_max, dtype=torch.long, device=dev)
+        hid = torch.zeros(self.rows, p_max, dim, device=dev, dtype=self.cache.k.dtype)
+        pos = torch.zeros(self.rows, p_max, dtype=torch.long, device=dev)
+        count = torch.zeros(self.rows, dtype=torch.long, device=dev)
+        for s in todo:
+            pend = self._pending.pop(s)
+            p = len(pend.tokens)
+            rows = self._rows(torch.tensor([s], device=dev))
+            tok[rows, :p] = torch.tensor(pend.tokens, device=dev)
+            hid[rows, :p] = pend.hidden.to(dev, hid.dtype)
+            pos[rows] = (pend.first_position + torch.arange(p_max, device=dev)).clamp(max=len(self.drafter.rope) - 1)
+            count[rows] = p
+        before = self.cache.lengths.clone()
+        causal = torch.ones(p_max, p_max, dtype=torch.bool, device=dev).tril()
+        feats = self.drafter(tok, hid, pos, self.cache.attn_mask(causal), self.cache)  # (R, P, dim)
         self.forwards += 1
-        self._pending = None
-        return feats[:, -1]
+        self.cache.set_lengths(before + count)
+        last = (count - 1).clamp(min=0)
+        out = feats[torch.arange(self.rows, device=dev), last]
+        return torch.where((count > 0)[:, None], out, torch.zeros_like(out))
 
     # ---- drafting -----------------------------------------------------------------------
-    def _score(self, features: torch.Tensor, noise: torch.Tensor | None, level: int):
-        """features (R, F, dim) -> (select key, score), each (F, V), for children at depth `level`.
+    @torch.inference_mode()
+    def propose(self, requests: dict[int, DraftRequest],
+                level_gate: Callable[[int, dict[int, float], int], bool] | None = None) -> dict[int, CandidatePool]:
+        """Draft every requested slot's candidates; returns {slot: candidate pool}.
 
-        noise: (levels, V) Gumbel rows of the drafted positions (row level - 1), or None."""
-        row = None if noise is None else noise[level - 1]
-        return self.scorer(cfg_mix(self.head(features), self.cfg_scale)[0], row)
+        level_gate(level, {slot: summed path confidence of the nodes it would expand}, frontier
+        tokens in total) -> whether to build that level at all (the batch cost budget)."""
+        dev = self.cache.k.device
+        slots = sorted(requests)
+        root_feat = self._feed(slots)  # (R, dim)
+        start = self.cache.lengths.clone()
+        exp = {s: _Expansion(requests[s], dev) for s in slots}
+        sel, score = self._score(root_feat[:, None], {s: 0 for s in slots}, requests)  # (B, 1, V) each
+        for s in slots:
+            exp[s].first_level(sel[s], score[s], root_feat[self._rows(torch.tensor([s], device=dev))])
+        depth = max(r.depth for r in requests.values())
+        for d in range(2, depth + 1):
+            fronts = {s: e.frontier(d) for s, e in exp.items()}
+            fronts = {s: f for s, f in fronts.items() if f is not None and f.numel()}
+            if not fronts:
+                break
+            if level_gate is not None:
+                conf = {s: float(exp[s].pool.scores[f].exp().sum()) for s, f in fronts.items()}
+                if not level_gate(d, conf, sum(f.numel() for f in fronts.values())):
+                    break
+            feats = self._run_level(exp, fronts, d, start)  # (R, F_max, dim)
+            sel, score = self._score(feats, {s: d - 1 for s in fronts}, requests)
+            for s, f in fronts.items():
+                n = f.numel()
+                exp[s].add_level(sel[s, :n], score[s, :n], feats[self._rows(torch.tensor([s], device=dev)), :n], d)
+        self.cache.truncate(start)
+        return {s: e.pool.candidates() for s, e in exp.items()}
 
-    def _run_level(self, tokens: torch.Tensor, parent_feats: torch.Tensor, position: int,
-                   tree_mask: torch.Tensor, start: int) -> torch.Tensor:
-        """Feed F frontier nodes (tokens (F,), parent features (R, F, dim)) -> features (R, F, dim)."""
-        f = tokens.numel()
-        pos = torch.full((f,), position, dtype=torch.long, device=tokens.device)
-        mask = self.cache.attn_mask(tree_mask, since=start)
-        feats = self.drafter(tokens[None].expand(self.rows, -1), parent_feats, pos, mask, self.cache)
+    def _score(self, features: torch.Tensor, level_of: dict[int, int], requests: dict[int, DraftRequest]):
+        """features (R, F, dim) -> (select key, score), each (slots, F, V); noise row per slot."""
+        mixed = cfg_mix(self.head(features), self.cfg_scale)  # (slots, F, V)
+        noise = None
+        if self.scorer.coupled is not None:
+            noise = torch.zeros(self.slots, 1, mixed.shape[-1], device=mixed.device)
+            for s, lv in level_of.items():
+                nz = requests[s].noise
+                if nz is not None:
+                    noise[s, 0] = nz[lv]
+        return self.scorer(mixed, noise)
+
+    def _run_level(self, exp: dict[int, "_Expansion"], fronts: dict[int, torch.Tensor], d: int,
+                   start: torch.Tensor) -> torch.Tensor:
+        """One drafter forward over every slot's frontier (padded to the widest)."""
+        dev = self.cache.k.device
+        f_max = max(f.numel() for f in fronts.values())
+        w = max(exp[s].processed.size for s in fronts) + f_max
+        tok = torch.zeros(self.slots, f_max, dtype=torch.long, device=dev)
+        pos = torch.zeros(self.slots, f_max, dtype=torch.long, device=dev)
+        par = torch.zeros(self.rows, f_max, self.drafter.config.dim, device=dev, dtype=self.cache.k.dtype)
+        mask = torch.zeros(self.slots, f_max, w, dtype=torch.bool, device=dev)
+        count = torch.zeros(self.rows, dtype=torch.long, device=dev)
+        for s, f in fronts.items():
+            e, n = exp[s], f.numel()
+            rows = self._rows(torch.tensor([s], device=dev))
+            tok[s, :n] = e.pool.tokens[f]
+            pos[s] = e.req.root_position + d - 1
+            par[rows, :n] = e.parent_feat_of(f)
+            m = e.processed.add(e.slot_of(f))  # (n, size + n)
+            mask[s, :n, : m.shape[1]] = m
+            count[rows] = n
+        before = self.cache.lengths.clone()
+        cat = lambda x: torch.cat([x] * self.cfg_rows)  # noqa: E731  slots -> rows
+        feats = self.drafter(cat(tok), par, cat(pos), self.cache.attn_mask(cat(mask), since=start), self.cache)
         self.forwards += 1
+        self.cache.set_lengths(before + count)
         return feats
 
-    def propose_dynamic(self, root_token: int, root_position: int, depth: int, top_k: int,
-                        budget: int | Callable[[torch.Tensor, int], int], min_confidence: float = 0.0,
-                        noise: torch.Tensor | None = None) -> DraftTree:
-        """EAGLE-2: expand the top_k best of each level into top_k children; keep `budget` nodes
-        (or `budget(candidate scores, levels built)` nodes when it is a function: the cost-aware
-        budget).
-        Expansion stops early once the path confidences of the nodes a new level would expand sum
-        to less than `min_confidence` (0 = always build `depth` levels).
-        noise: (depth, V) Gumbel rows of the drafted positions for coupled drafting, or None."""
-        root_feat = self._feed_pending()  # (R, dim)
-        return self._expand(
-            root_token, root_position, root_feat, depth, budget, min_confidence, noise,
-            pick=lambda scores, paths: top_frontier(scores, top_k),
-            ranks_of=lambda path: list(range(top_k)),
-        )
 
-    def propose_static(self, root_token: int, root_position: int, paths: tuple[tuple[int, ...], ...], depth: int,
-                       noise: torch.Tensor | None = None) -> DraftTree:
-        """A fixed tree: node path -> child ranks from `paths` (levels beyond `depth` dropped)."""
-        root_feat = self._feed_pending()
-        shape = static_children(tuple(p for p in paths if len(p) <= depth))
-        return self._expand(
-            root_token, root_position, root_feat, depth, len(paths), 0.0, noise,
-            pick=lambda scores, node_paths: torch.tensor(
-                [i for i, p in enumerate(node_paths) if p in shape], dtype=torch.long, device=scores.device),
-            ranks_of=lambda path: shape.get(path, []),
-        )
+class _Expansion:
+    """One slot's tree under construction: its candidate pool and which nodes were fed."""
 
-    def _expand(self, root_token, root_position, root_feat, depth, budget, min_confidence, noise, pick,
-                ranks_of) -> DraftTree:
-        """Level-by-level expansion shared by every tree shape.
+    def __init__(self, req: DraftRequest, device: torch.device) -> None:
+        self.req = req
+        self.pool = _Pool(device)
+        self.processed = _ProcessedMask(device)
+        self.level = torch.zeros(0, dtype=torch.long, device=device)  # (L,) pool indices of the last level
+        self.front = self.level  # (F,) the nodes being fed for the next level
+        self.feat: dict[int, torch.Tensor] = {}  # pool index -> (cfg, dim) feature of its parent
+        self.fed_slot: dict[int, int] = {}  # pool index -> its slot in `processed`
 
-        pick(level_scores (L,), level_paths) -> which of the level's candidates to expand;
-        ranks_of(path) -> the child ranks (0 = the drafter's best) a node gets.
-        """
-        start = self.cache.length
-        pool = _Pool(root_feat.device)
-        level, src = pool.add_children(self._score(root_feat[:, None], noise, 1), [-1], [()], ranks_of, depth=1)
-        parent_feat = root_feat[:, None].expand(-1, level.numel(), -1)  # (R, L, dim) feature of each one's parent
-        parent_slot = torch.full((level.numel(),), -1, dtype=torch.long)
-        processed = _ProcessedMask(root_feat.device)
-        for d in range(2, depth + 1):
-            chosen = pick(pool.scores[level], [pool.paths[i] for i in level.tolist()])  # (F,) into level
-            if chosen.numel() == 0:
-                break
-            # a new level adds at most P(the accepted path reaches it) = sum of the expanded paths' confidences
-            if min_confidence > 0 and float(pool.scores[level[chosen]].exp().sum()) < min_confidence:
-                break
-            front = level[chosen]  # (F,) pool indices
-            rows, slots = processed.add(parent_slot[chosen.cpu()])
-            feats = self._run_level(pool.tokens[front], parent_feat[:, chosen], root_position + d - 1, rows, start)
-            level, src = pool.add_children(self._score(feats, noise, d), front.tolist(),
-                                           [pool.paths[i] for i in front.tolist()], ranks_of, depth=d)
-            if level.numel() == 0:
-                break
-            parent_feat = feats[:, src]  # (R, L, dim)
-            parent_slot = slots[src.cpu()]
-        self.cache.truncate(start)
-        n = budget(pool.scores, int(pool.depths.max())) if callable(budget) else budget
-        return rerank(pool.candidates(), n, root_token, root_position)
+    def _ranks(self, path: tuple[int, ...]) -> list[int]:
+        if self.req.static is not None:
+            return self.req.static.get(path, [])
+        return list(range(self.req.width))
+
+    def first_level(self, select: torch.Tensor, score: torch.Tensor, root_feat: torch.Tensor) -> None:
+        """select/score (1, V) at the root; root_feat (cfg, dim) the slot's last committed feature."""
+        self.level = self.pool.add_children(select, score, [-1], [()], self._ranks, depth=1)
+        for c in self.level.tolist():
+            self.feat[c] = root_feat
+
+    def frontier(self, d: int) -> torch.Tensor | None:
+        """Pool indices of the nodes to expand into level d (None: this slot is done)."""
+        if d > self.req.depth or self.level.numel() == 0:
+            return None
+        scores = self.pool.scores[self.level]
+        if self.req.static is not None:
+            paths = [self.pool.paths[i] for i in self.level.tolist()]
+            chosen = torch.tensor([i for i, p in enumerate(paths) if p in self.req.static], dtype=torch.long)
+        else:
+            chosen = top_frontier(scores, self.req.width).cpu()
+        if chosen.numel() == 0:
+            return None
+        chosen = chosen.to(scores.device)
+        # a new level adds at most P(the accepted path reaches it) = sum of the expanded paths' confidences
+        if self.req.min_confidence > 0 and float(scores[chosen].exp().sum()) < self.req.min_confidence:
+            return None
+        self.front = self.level[chosen]
+        return self.front
+
+    def parent_feat_of(self, front: torch.Tensor) -> torch.Tensor:
+        """(cfg, F, dim) features the frontier nodes are fed with (their parents' features)."""
+        return torch.stack([self.feat[i] for i in front.tolist()], 1)
+
+    def slot_of(self, front: torch.Tensor) -> torch.Tensor:
+        """(F,) processed-mask slots of the frontier nodes' parents (-1 = the root)."""
+        return torch.tensor([self.fed_slot.get(p, -1) for p in self.pool.parents[front].tolist()], dtype=torch.long)
+
+    def add_level(self, select: torch.Tensor, score: torch.Tensor, feats: torch.Tensor, d: int) -> None:
+        """select/score (F, V) at the F fed frontier nodes; feats (cfg, F, dim) their features."""
+        front = self.front.tolist()
+        base = self.processed.size - len(front)
+        where = {i: j for j, i in enumerate(front)}
+        for i, j in where.items():
+            self.fed_slot[i] = base + j
+        self.level = self.pool.add_children(select, score, front, [self.pool.paths[i] for i in front],
+                                            self._ranks, depth=d)
+        for c, p in zip(self.level.tolist(), self.pool.parents[self.level].tolist()):
+            self.feat[c] = feats[:, where[p]]
 
 
 class _Pool:
@@ -176,16 +290,14 @@ class _Pool:
         self.tokens, self.parents, self.depths, self.scores = e, e, e, torch.zeros(0, device=device)
         self.paths: list[tuple[int, ...]] = []
 
-    def add_children(self, scored, parents: list[int], parent_paths, ranks_of, depth: int):
-        """scored = (select key, score), each (F, V), of F expanded nodes -> append their children
-        (top ranks of the key, scored by the score); return (new pool idx, src row)."""
-        select, score = scored
+    def add_children(self, select, score, parents: list[int], parent_paths, ranks_of, depth: int) -> torch.Tensor:
+        """select/score (F, V) at F expanded nodes -> append their children (top ranks of the
+        select key, scored by the score); returns the new pool indices."""
         v = select.shape[-1]
         ranks = [[r for r in ranks_of(p) if r < v] for p in parent_paths]  # a node has at most V children
         kmax = max((max(r) + 1 for r in ranks if r), default=0)
         if kmax == 0:
-            e = torch.zeros(0, dtype=torch.long, device=self.device)
-            return e, e
+            return torch.zeros(0, dtype=torch.long, device=self.device)
         top = torch.topk(select, kmax, dim=-1)  # (F, kmax)
         values = score.gather(-1, top.indices)  # (F, kmax)
         src = [f for f, rs in enumerate(ranks) for _ in rs]
@@ -200,7 +312,7 @@ class _Pool:
         self.depths = torch.cat([self.depths, torch.full_like(par, depth)])
         self.scores = torch.cat([self.scores, parent_score + values[sf, sr].float()])
         self.paths += [parent_paths[f] + (r,) for f, r in zip(src, rank)]
-        return torch.arange(base, base + len(src), device=self.device), sf
+        return torch.arange(base, base + len(src), device=self.device)
 
     def candidates(self) -> CandidatePool:
         return CandidatePool(self.tokens, self.parents, self.depths, self.scores)
@@ -212,8 +324,12 @@ class _ProcessedMask:
     def __init__(self, device) -> None:
         self.mask = torch.zeros(0, 0, dtype=torch.bool, device=device)
 
-    def add(self, parent_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """parent_slots (F,) (-1 = root) -> mask rows (F, n + F) for the new nodes, their slots (F,)."""
+    @property
+    def size(self) -> int:
+        return self.mask.shape[0]
+
+    def add(self, parent_slots: torch.Tensor) -> torch.Tensor:
+        """parent_slots (F,) (-1 = root) -> mask rows (F, n + F) for the new nodes."""
         n, f = self.mask.shape[0], parent_slots.numel()
         rows = torch.zeros(f, n + f, dtype=torch.bool, device=self.mask.device)
         has = parent_slots >= 0
@@ -221,4 +337,4 @@ class _ProcessedMask:
             rows[has.to(rows.device), :n] = self.mask[parent_slots[has].to(rows.device)]
         rows[:, n:] = torch.eye(f, dtype=torch.bool, device=rows.device)
         self.mask = torch.cat([torch.cat([self.mask, rows[:, :n].new_zeros(n, f)], 1), rows], 0)
-        return rows, torch.arange(n, n + f)
+        return rows

@@ -1,28 +1,32 @@
-"""Generator: the one orchestrator of decoding (vanilla AR and speculative trees).
+"""Generator: the one orchestrator of decoding (vanilla AR and speculative trees), batched.
 
 Sequence layout per image: T caption positions, then image tokens; image token i sits at
 sequence position T + i. The target's output at position T + i - 1 predicts token i (the
 last caption position predicts token 0). With CFG every image has two rows, cond then uncond
 (for a batch: all cond rows, then all uncond rows), sharing one caption mask.
 
-A speculative round: the ROOT is the last committed token (not yet in the target's cache).
-Draft a tree below it, run the target once on root + tree under the tree mask, verify,
-keep the root and the accepted path in the cache, commit accepted tokens + the bonus token.
+A round: the ROOT of each image is its last committed token (not yet in the target's cache).
+Draft a tree below it, run the target once on every image's root + tree under tree masks,
+verify, keep the root and the accepted path in the cache, commit accepted tokens + the bonus
+token. Up to `DecodeConfig.batch_size` images are in flight (adt_core/batch.py); a prompt
+enters as soon as a slot frees (continuous refill). Vanilla AR is the same loop with
+root-only trees. With the coupled sampler (or greedy) every image's tokens are a function of
+its prompt, seed and config only: not of the method, the batch or the order of prompts.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 import torch
 
-from adt_core.adaptive import AdaptiveController, cost_budget
-from adt_core.calibrate import CostTable, Timer, measure_draft_level, measure_target_cost
+from adt_core.calibrate import CostTable, Timer, batch_sizes, measure_draft_cost, measure_target_cost
 from adt_core.config import DecodeConfig, SamplingConfig
-from adt_core.draft import DraftScorer, TreeProposer
+from adt_core.draft import DraftScorer
 from adt_core.kv_cache import KVCache
 from adt_core.models.bundle import Bundle
 from adt_core.noise import gumbel
@@ -43,8 +47,10 @@ class RoundTrace:
     width: int  # top-k per expansion (0 for static trees / root-only rounds)
     nodes: int  # drafted nodes verified (root excluded)
     accepted: int  # accepted drafted tokens (bonus excluded)
-    draft_ms: float
-    verify_ms: float
+    draft_ms: float  # this image's share of the round's draft time
+    verify_ms: float  # this image's share of the round's verify time
+    slots: int = 1  # images in the round
+    tokens: int = 0  # tokens per CFG pair in the round's target forward (slots x widest tree)
 
 
 @dataclass
@@ -54,10 +60,10 @@ class StepStats:
     draft_tokens: int = 0  # drafted nodes sent to verification
     accepted_draft_tokens: int = 0
     accepted_lengths: list[int] = field(default_factory=list)  # per round: accepted drafted tokens
-    draft_ms: float = 0.0
+    draft_ms: float = 0.0  # shares of the rounds' times (round time / images in the round)
     verify_ms: float = 0.0
     total_ms: float = 0.0
-    batch_size: int = 1  # images decoded together (AR batches share one wall time)
+    batch_size: int = 1  # the engine's in-flight capacity
     rounds: list[RoundTrace] = field(default_factory=list)
     lossy: bool = False  # True when a relaxed (LANTERN) acceptance was used
     sampler: str = "greedy"  # "greedy" (temperature 0), "coupled" or "rejection": what drew the tokens
@@ -79,6 +85,15 @@ class StepStats:
 
 
 @dataclass
+class PromptFailure:
+    """A prompt that could not be decoded (its row fails; the others in flight go on)."""
+
+    prompt: str
+    seed: int
+    error: BaseException
+
+
+@dataclass
 class GenerationResult:
     prompt: str
     seed: int
@@ -87,12 +102,12 @@ class GenerationResult:
     stats: StepStats
 
 
-def estimate_speedup(stats: StepStats, costs: CostTable, num_tokens: int) -> float:
-    """Vanilla AR's modelled time over this image's: AR pays num_tokens one-token forwards; the
-    speculative run paid one prefill-sized step plus, per round, a forward of root + nodes and
-    its measured draft time. Uses the calibrated target costs, not this run's wall time."""
-    ar = num_tokens * costs.cost(1)
-    spec = costs.cost(1) + sum(costs.cost(r.nodes + 1) + r.draft_ms for r in stats.rounds)
+def estimate_speedup(stats: StepStats, costs: CostTable, num_tokens: int, batch: int) -> float:
+    """Batched AR's modelled time per image over this image's: AR at the same batch pays
+    num_tokens steps of cost(batch) / batch each; this image paid, per round, its share of a
+    forward of the round's width (cost(tokens) / slots) and of the measured draft time."""
+    ar = num_tokens * costs.cost(batch) / batch
+    spec = sum(costs.cost(max(r.tokens, r.slots)) / r.slots + r.draft_ms for r in stats.rounds)
     return ar / spec if spec > 0 else 1.0
 
 
@@ -115,40 +130,82 @@ class Generator:
         self.num_tokens = tc.num_image_tokens if config.max_tokens is None else min(config.max_tokens, tc.num_image_tokens)
         self.timer = Timer(self.device)
         self._relax: Relaxation | None = None
+        self._costs: CostTable | None = None
         # what draws the tokens: the argmax (greedy), fixed Gumbel noise (coupled) or generators (rejection)
         self.sampler = "greedy" if self.sampling.greedy else config.sampler
         coupled = self.sampling if self.sampler == "coupled" else None
         self.scorer = DraftScorer(coupled, perturbed=config.draft_score == "perturbed")
 
     # ---- public -------------------------------------------------------------------------
-    @torch.inference_mode()
     def generate(self, prompts: list[str], seeds: list[int]) -> list[GenerationResult]:
+        """Every prompt's image, in input order (raises the first prompt failure)."""
+        out: list[GenerationResult | None] = [None] * len(prompts)
+        for i, r in self.stream(prompts, seeds):
+            if isinstance(r, PromptFailure):
+                raise r.error
+            out[i] = r
+        return out  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def stream(self, prompts: list[str], seeds: list[int]) -> Iterator[tuple[int, GenerationResult | PromptFailure]]:
+        """Yield (input index, result) as images finish, up to `batch_size` in flight; a free
+        slot takes the next prompt at once. A prompt whose caption cannot be encoded yields a
+        PromptFailure and the others go on."""
+        from adt_core.batch import BatchDecoder
+
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        if not prompts:
+            return
         self._place_models()
-        captions, cmask = self.bundle.text_encoder.encode(list(prompts))  # (B, T, C), (B, T)
-        captions, cmask = captions.to(self.device), cmask.to(self.device)
-        seed_t = torch.tensor([int(s) for s in seeds], dtype=torch.long, device=self.device)  # (B,)
-        gens = [torch.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
-        if self.config.method == "ar":
-            tokens, stats = self._decode_ar(captions, cmask, gens, seed_t)
-        else:
-            outs = [self._decode_speculative(captions[i : i + 1], cmask[i : i + 1], gens[i], seed_t[i : i + 1])
-                    for i in range(len(prompts))]
-            tokens = torch.stack([t for t, _ in outs])
-            stats = [s for _, s in outs]
-            costs = self.cost_table()
-            for st in stats:
-                st.estimated_speedup = estimate_speedup(st, costs, self.num_tokens)
-        h, w = self.bundle.grid
-        grid = tokens.view(-1, h, w)
-        images = self.bundle.vq.decode(grid).cpu().numpy()  # (B, H*f, W*f, 3) uint8
-        return [
-            GenerationResult(p, int(s), grid[i].cpu(), images[i], stats[i])
-            for i, (p, s) in enumerate(zip(prompts, seeds))
-        ]
+        dec = BatchDecoder(self, min(self.config.batch_size, len(prompts)))
+        queue = deque((i, p, int(s)) for i, (p, s) in enumerate(zip(prompts, seeds)))
+        while queue or dec.active():
+            free = len(dec.free())
+            if queue and free:
+                items = [queue.popleft() for _ in range(min(free, len(queue)))]
+                items, captions, cmask, failed = self._encode(items)
+                yield from failed
+                if items:
+                    yield from self._finish(dec.admit(items, captions, cmask))
+                continue
+            yield from self._finish(dec.step())
 
     # ---- shared steps -------------------------------------------------------------------
+    def _encode(self, items):
+        """Caption states for (index, prompt, seed) items; a prompt that fails alone is dropped
+        and yielded as a failure."""
+        enc = self.bundle.text_encoder
+        try:
+            captions, cmask = enc.encode([p for _, p, _ in items])
+            return items, captions.to(self.device), cmask.to(self.device), []
+        except Exception:  # noqa: BLE001 - find the prompt(s) that fail, keep the others
+            ok, caps, masks, failed = [], [], [], []
+            for it in items:
+                try:
+                    c, m = enc.encode([it[1]])
+                    ok.append(it), caps.append(c), masks.append(m)
+                except Exception as err:  # noqa: BLE001
+                    failed.append((it[0], PromptFailure(it[1], it[2], err)))
+            if not ok:
+                return [], None, None, failed
+            return ok, torch.cat(caps).to(self.device), torch.cat(masks).to(self.device), failed
+
+    def _finish(self, done) -> Iterator[tuple[int, GenerationResult]]:
+        """VQ-decode finished images together and hand them out."""
+        if not done:
+            return
+        h, w = self.bundle.grid
+        grid = torch.stack([d.tokens for d in done]).view(-1, h, w)
+        images = self.bundle.vq.decode(grid.to(self.device)).cpu().numpy()  # (n, H*f, W*f, 3) uint8
+        costs = self.cost_table() if self.config.method != "ar" else None
+        for i, d in enumerate(done):
+            if costs is not None:
+                d.stats.estimated_speedup = estimate_speedup(d.stats, costs, self.num_tokens, self.config.batch_size)
+            else:
+                d.stats.estimated_speedup = 1.0
+            yield d.index, GenerationResult(d.prompt, d.seed, grid[i].cpu(), images[i], d.stats)
+
     def _place_models(self) -> None:
         b = self.bundle
         for m in (b.target, b.drafter):
@@ -163,7 +220,7 @@ class Generator:
         uncond = self.bundle.target.cls_embedding.uncond_embedding.to(captions.dtype)  # (T, C)
         return torch.cat([captions, uncond.expand_as(captions)]), torch.cat([cmask, cmask])
 
-    def _prefill(self, captions: torch.Tensor, cmask: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill(self, captions: torch.Tensor, cmask: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the caption rows; returns logits (R, V) at the last position and hidden (R, T, dim)."""
         rows, rmask = self._rows(captions, cmask)
         t = rows.shape[1]
@@ -179,81 +236,74 @@ class Generator:
             return None
         return gumbel(seeds, positions, self.bundle.target.config.vocab_size)
 
-    def _sample(self, mixed: torch.Tensor, gens: list[torch.Generator], seeds: torch.Tensor, index: int) -> torch.Tensor:
-        """mixed (B, V) -> (B,) tokens for image position `index`: the argmax when greedy, the
+    def noise_rows(self, seed: torch.Tensor, index: int, count: int) -> torch.Tensor | None:
+        """(count, V) Gumbel rows of image positions index .. index + count - 1 for one seed (1,)."""
+        rows = self.noise(seed, torch.arange(index, index + count, device=self.device)[None])
+        return None if rows is None else rows[0]
+
+    def sample(self, mixed: torch.Tensor, gens: list[torch.Generator], seeds: torch.Tensor,
+               positions: list[int]) -> torch.Tensor:
+        """mixed (B, V) -> (B,) tokens at image positions (B,): the argmax when greedy, the
         perturbed argmax when coupled, else one multinomial draw per image generator."""
         if self.sampler == "rejection":
             probs = target_probs(mixed, self.sampling)
             return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(gens)])
-        pos = torch.full((seeds.numel(), 1), index, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)[:, None]
         noise = self.noise(seeds, pos)
         return perturbed(mixed, self.sampling, None if noise is None else noise[:, 0]).argmax(-1)
 
-    # ---- vanilla autoregressive ---------------------------------------------------------
-    def _decode_ar(self, captions, cmask, gens, seeds) -> tuple[torch.Tensor, list[StepStats]]:
-        b, t = captions.shape[:2]
-        n, target = self.num_tokens, self.bundle.target
-        t0 = self.timer.now()
-        cache = target.new_cache(b * self.cfg_rows, t + n)
-        logits, _ = self._prefill(captions, cmask, cache)
-        tokens = torch.zeros(b, target.config.num_image_tokens, dtype=torch.long, device=self.device)
-        tokens[:, 0] = self._sample(cfg_mix(logits, self.sampling.cfg_scale), gens, seeds, 0)
-        one = torch.ones(1, 1, dtype=torch.bool, device=self.device)
-        for i in range(1, n):
-            inp = tokens[:, i - 1 : i].repeat(self.cfg_rows, 1)  # (R, 1)
-            pos = torch.tensor([t + i - 1], device=self.device)
-            logits, _ = target(pos, cache.attn_mask(one), cache, tokens=inp)
-            tokens[:, i] = self._sample(cfg_mix(logits[:, -1], self.sampling.cfg_scale), gens, seeds, i)
-        total = self.timer.now() - t0
-        stats = [StepStats(target_forwards=n, total_ms=total, verify_ms=total, batch_size=b, estimated_speedup=1.0,
-                           sampler=self.sampler) for _ in range(b)]
-        return tokens, stats
-
-    # ---- speculative --------------------------------------------------------------------
-    def _max_tree_nodes(self) -> int:
+    # ---- speculative pieces ---------------------------------------------------------------
+    def max_tree_nodes(self) -> int:
         c = self.config
+        if c.method == "ar":
+            return 0
         if c.method == "static":
             return len(c.tree.static_paths)
         if c.method == "adt":
             return c.adaptive.n_max
         return c.tree.budget
 
-    def _propose(self, proposer: TreeProposer, ctrl: AdaptiveController | None, root: int, root_pos: int,
-                 index: int, max_depth: int, noise: torch.Tensor | None) -> tuple[DraftTree, int]:
-        """Draft this round's tree; returns it and the width (top-k) it was expanded with.
-
-        noise: (levels, V) coupled Gumbel rows of image positions index, index + 1, ... or None."""
-        c = self.config
-        if c.method == "static":
-            tree = proposer.propose_static(root, root_pos, c.tree.static_paths, min(c.tree.depth, max_depth), noise)
-            return tree, 0
-        min_confidence = 0.0
-        if ctrl is None:
-            d, k, budget = c.tree.depth, c.tree.top_k, c.tree.budget
-        else:
-            shape = ctrl.shape(index)
-            d, k, budget = shape.depth, shape.width, shape.budget
-            if c.adaptive.budget == "cost":
-                costs = self.cost_table()
-                budget = lambda scores, levels: cost_budget(scores, costs, levels * costs.draft_level_ms, c.adaptive)  # noqa: E731
-                # one more level adds at most the summed confidence of the paths it extends in
-                # expected tokens, each worth one target step: stop once that is below a level's cost
-                min_confidence = costs.draft_level_ms / costs.cost(1)
-        return proposer.propose_dynamic(root, root_pos, min(d, max_depth), k, budget, min_confidence, noise), k
-
     def cost_table(self) -> CostTable:
-        """Target forward cost vs new tokens on this device/dtype, measured once and cached."""
+        """Target forward and draft level cost vs total tokens on this device/dtype at this batch
+        size, measured once per model and cached (or set with `use_costs`, e.g. from job outputs)."""
+        if self._costs is not None:
+            return self._costs
         per_model = _COSTS.setdefault(self.bundle.target, {})
-        key = (str(self.device), self.config.dtype, self.cfg_rows)
+        key = (str(self.device), self.config.dtype, self.cfg_rows, self.config.batch_size)
         if key not in per_model:
             self._place_models()
-            table = measure_target_cost(self.bundle.target, rows=self.cfg_rows, repeats=3, warmup=1)
+            sizes = batch_sizes(self.config.batch_size)
+            table = measure_target_cost(self.bundle.target, rows=self.cfg_rows, sizes=sizes, repeats=3, warmup=1,
+                                        slots=self.config.batch_size)
             if self.bundle.drafter is not None:
-                level = measure_draft_level(self.bundle.drafter, self.bundle.target.head, self.sampling.cfg_scale,
-                                            self.cfg_rows, width=self.config.adaptive.k0, repeats=3)
-                table = dataclasses.replace(table, draft_level_ms=level)
+                draft = measure_draft_cost(self.bundle.drafter, self.bundle.target.head, self.sampling.cfg_scale,
+                                           self.cfg_rows, sizes, slots=self.config.batch_size, repeats=3)
+                k0 = self.config.adaptive.k0
+                table = CostTable(table.ms, CostTable({}, 0.0, draft).draft_cost(k0), draft)
             per_model[key] = table
         return per_model[key]
+
+    def use_costs(self, table: CostTable) -> None:
+        """Decide budgets from this table instead of measuring (a resumed job reuses its own)."""
+        self._costs = table
+
+    def verify_all(self, trees: dict, mixed: torch.Tensor, slots: dict) -> dict[int, VerifyResult]:
+        """Verify every slot's tree: mixed (cap, S, V) target logits at the padded nodes.
+        Root-only trees are one vectorised draw (a plain AR step)."""
+        roots = [b for b, t in trees.items() if t.size == 1]
+        out: dict[int, VerifyResult] = {}
+        if roots:
+            sl = [slots[b] for b in roots]
+            idx = torch.tensor(roots, device=self.device)
+            seeds = torch.cat([s.seed_t for s in sl])
+            toks = self.sample(mixed[idx, 0], [s.gen for s in sl], seeds, [len(s.committed) for s in sl]).tolist()
+            out.update({b: VerifyResult([], int(t)) for b, t in zip(roots, toks)})
+        for b, tree in trees.items():
+            if tree.size > 1:
+                s = slots[b]
+                noise = self.noise_rows(s.seed_t, len(s.committed), tree.depth + 1)
+                out[b] = self._verify(tree, mixed[b, : tree.size], s.gen, noise)
+        return out
 
     def _verify(self, tree: DraftTree, mixed: torch.Tensor, gen: torch.Generator,
                 noise: torch.Tensor | None) -> VerifyResult:
@@ -274,68 +324,20 @@ class Generator:
             self._relax = relaxation_for(codebook, self.config.lantern, self.device)
         return self._relax
 
-    def _decode_speculative(self, caption, cmask, gen, seed) -> tuple[torch.Tensor, StepStats]:
-        """One image: caption (1, T, C), cmask (1, T), seed (1,) -> tokens (N,) and its stats."""
-        b = self.bundle
-        t = caption.shape[1]
-        n, rows, s = self.num_tokens, self.cfg_rows, self.sampling.cfg_scale
-        max_nodes = self._max_tree_nodes()
-        depth_cap = self.config.adaptive.d_max if self.config.method == "adt" else self.config.tree.depth
-        stats = StepStats(lossy=self.config.lantern is not None, sampler=self.sampler)
-        t0 = self.timer.now()
-        cache = b.target.new_cache(rows, t + n + max_nodes + 1)
-        proposer = TreeProposer(b.drafter, b.target.head, s, rows, t + n + (depth_cap + 1) * (max_nodes + 1),
-                                self.scorer)
-        logits, hidden = self._prefill(caption, cmask, cache)
+    def record(self, stats: StepStats, tree: DraftTree, res: VerifyResult, index: int, width: int,
+               draft_ms: float, verify_ms: float, slots: int, tokens: int, drafted: bool) -> None:
+        """Add one round to an image's stats (times are its shares of the round)."""
         stats.target_forwards += 1
-        first = int(self._sample(cfg_mix(logits, s), [gen], seed, 0)[0])
-        committed = [first]
-        if b.drafter.config.caption_pairs:  # LANTERN: (code 0, h_j) for every caption position first
-            proposer.observe(hidden, [0] * (t - 1) + [first], 1)
-        else:
-            proposer.observe(hidden[:, -1:], [first], t)
-        ctrl = AdaptiveController(b.grid, self.config.adaptive) if self.config.method == "adt" else None
-        while len(committed) < n:
-            index = len(committed)  # image index of the first drafted token
-            root_pos = t + index - 1
-            max_depth = n - index - 1
-            ta = self.timer.now()
-            levels = min(depth_cap, max(max_depth, 0))
-            noise = self.noise(seed, torch.arange(index, index + levels + 1, device=self.device)[None])
-            noise = None if noise is None else noise[0]  # (levels + 1, V)
-            if max_depth > 0:
-                tree, width = self._propose(proposer, ctrl, committed[-1], root_pos, index, max_depth, noise)
-            else:
-                tree, width = DraftTree.root_only(committed[-1], root_pos, self.device), 0
-            tb = self.timer.now()
-            prefix = cache.length
-            tree_tokens = tree.tokens.to(self.device)[None].expand(rows, -1)  # (R, n+1)
-            logits, hidden = b.target(tree.positions.to(self.device), cache.attn_mask(tree.ancestor_mask()), cache,
-                                      tokens=tree_tokens)
-            res = self._verify(tree, cfg_mix(logits, s)[0], gen, noise)
-            keep = torch.tensor([0] + res.accepted, dtype=torch.long, device=self.device)
-            cache.keep(prefix, keep)
-            new = tree.tokens[res.accepted].tolist() + [res.bonus]
-            committed += new
-            if len(committed) < n:
-                proposer.observe(hidden[:, keep], new, root_pos + 1)
-            if ctrl is not None:
-                ctrl.observe(index, tree.depth, width, res.num_accepted)
-            tc = self.timer.now()
-            self._record(stats, tree, res, index, width, tb - ta, tc - tb)
-        stats.draft_forwards = proposer.forwards
-        stats.total_ms = self.timer.now() - t0
-        tokens = torch.zeros(b.target.config.num_image_tokens, dtype=torch.long, device=self.device)
-        tokens[: len(committed)] = torch.tensor(committed, device=self.device)
-        return tokens, stats
-
-    def _record(self, stats: StepStats, tree: DraftTree, res: VerifyResult, index: int, width: int,
-                draft_ms: float, verify_ms: float) -> None:
+        stats.total_ms += draft_ms + verify_ms
+        stats.draft_ms += draft_ms
+        stats.verify_ms += verify_ms
+        if self.config.method == "ar":
+            return
         nodes = tree.size - 1
-        stats.target_forwards += 1
+        if drafted:
+            stats.draft_forwards += max(1, tree.depth)
         stats.draft_tokens += nodes
         stats.accepted_draft_tokens += res.num_accepted
         stats.accepted_lengths.append(res.num_accepted)
-        stats.draft_ms += draft_ms
-        stats.verify_ms += verify_ms
-        stats.rounds.append(RoundTrace(index, tree.depth, width, nodes, res.num_accepted, draft_ms, verify_ms))
+        stats.rounds.append(RoundTrace(index, tree.depth, width, nodes, res.num_accepted, draft_ms, verify_ms,
+                                       slots, tokens))

@@ -1,12 +1,16 @@
-"""Preallocated key/value cache that owns its length.
+"""Preallocated key/value cache with a length per row (ragged).
 
-One cache serves one model (target or drafter) and a fixed set of rows (for CFG: the cond
-rows then the uncond rows). A forward writes its S new entries at [length, length + S) in every
-layer and then advances `length`. After tree verification `keep` compacts the accepted path in
-place, so the cache always holds exactly the committed sequence.
+One cache serves one model (target or drafter) and a fixed set of rows. With classifier-free
+guidance an image (a slot) owns two rows: slot b is row b (cond) and row slots + b (uncond).
+A forward writes its S new entries of row r at [lengths[r], lengths[r] + S) in every layer
+(`write`), then `advance(S)`. Rows differ in length after verification: `keep_rows` compacts
+each row's root + accepted path in place, so a row always holds exactly its committed sequence
+(memory per image: captions + image tokens + one tree, whatever the number of rounds).
 
-`valid` marks key slots any query may attend to: caption padding slots are False (LlamaGen
-masks padded caption keys for both CFG rows); every other written slot is True.
+Attention runs over keys [0, max row length + S); the mask hides, per row, the keys past its
+own length, caption padding (`valid` False: LlamaGen masks padded caption keys for both CFG
+rows) and whatever a tree mask hides. While every row has the same length (prefill, uniform
+steps) writes are plain slices; otherwise they scatter per row.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, R, heads, max_len, hd)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.valid = torch.ones(rows, max_len, dtype=torch.bool, device=device)  # (R, max_len)
-        self.length = 0
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)  # (R,) committed entries per row
+        self._uniform: int | None = 0  # the common length while all rows share one, else None
+        self._longest = 0  # max(lengths), kept on the host (no device sync per layer)
 
     @property
     def max_len(self) -> int:
@@ -39,29 +45,86 @@ class KVCache:
     def rows(self) -> int:
         return self.k.shape[1]
 
+    @property
+    def length(self) -> int:
+        """The longest row's length (every row's while they are uniform)."""
+        return self._longest
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2 + self.valid.numel() + self.lengths.numel() * 8
+
+    # ---- writing ------------------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (R, heads, S, hd) at [length, length + S); return all keys/values so far."""
-        end = self.length + k.shape[2]
+        """Store k, v (R, heads, S, hd) at each row's [length, length + S); return keys/values
+        (R, heads, longest + S, hd)."""
+        s = k.shape[2]
+        end = self._longest + s
         if end > self.max_len:
             raise RuntimeError(f"KV cache overflow: {end} > {self.max_len}")
-        self.k[layer, :, :, self.length : end] = k
-        self.v[layer, :, :, self.length : end] = v
+        if self._uniform is not None:
+            self.k[layer, :, :, self._uniform : end] = k
+            self.v[layer, :, :, self._uniform : end] = v
+        else:
+            idx = (self.lengths[:, None] + torch.arange(s, device=k.device))[:, None, :, None]  # (R, 1, S, 1)
+            idx = idx.expand(-1, k.shape[1], -1, k.shape[3])
+            self.k[layer].scatter_(2, idx, k)
+            self.v[layer].scatter_(2, idx, v)
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
     def advance(self, n: int) -> None:
-        self.length += n
+        self.lengths += n
+        self._longest += n
+        if self._uniform is not None:
+            self._uniform += n
 
-    def attn_mask(self, new_mask: torch.Tensor, since: int | None = None) -> torch.Tensor:
-        """Attention mask (R, 1, S, length + S) for S new queries.
+    def set_lengths(self, lengths: torch.Tensor) -> None:
+        """Per-row lengths (R,) (e.g. after a padded forward: each row keeps only its real entries)."""
+        self.lengths = lengths.to(self.lengths.device, torch.long).clone()
+        lo, hi = int(self.lengths.min()), int(self.lengths.max())
+        self._longest = hi
+        self._uniform = hi if lo == hi else None
 
-        Keys before `since` (default: all cached ones) are visible where `valid`; keys from
-        `since` on (cached tree nodes, then the S new ones) follow `new_mask`, which is
-        (S, length - since + S) or (R, S, length - since + S), True = may attend. A query always
-        sees itself (so a padded caption row never has an empty row).
+    def truncate(self, length: int | torch.Tensor) -> None:
+        if isinstance(length, torch.Tensor):
+            if bool((length > self.lengths).any()):
+                raise ValueError("cannot truncate a row past its length")
+            self.set_lengths(length)
+            return
+        if length > self.length:
+            raise ValueError(f"cannot truncate to {length} > {self.length}")
+        self.lengths.fill_(length)
+        self._uniform = self._longest = length
+
+    # ---- masks --------------------------------------------------------------------------
+    def attn_mask(self, new_mask: torch.Tensor, since: int | torch.Tensor | None = None) -> torch.Tensor:
+        """Attention mask (R, 1, S, longest + S) for S new queries per row.
+
+        Keys before `since` (default: each row's length; an int or (R,)) are visible where
+        `valid`; keys from `since` on (cached tree nodes, then the S new ones) follow
+        `new_mask`, (S, W) or (R, S, W) with column j = key since + j, True = may attend; a row
+        uses the first length - since + S columns. A query always sees itself (so a padded
+        caption row or a padding node never has an empty row).
         """
-        since = self.length if since is None else since
         s = new_mask.shape[-2]
         total = self.length + s
+        if self._uniform is not None and not isinstance(since, torch.Tensor):
+            return self._uniform_mask(new_mask, self._uniform if since is None else since, s, total)
+        dev = self.valid.device
+        since_t = self.lengths if since is None else torch.as_tensor(since, device=dev).expand(self.rows)
+        w = new_mask.shape[-1]
+        j = torch.arange(total, device=dev)[None]  # (1, K)
+        valid = self.valid[:, :total]  # (R, K)
+        head = (j < since_t[:, None]) & valid  # (R, K)
+        rel = j - since_t[:, None]  # (R, K)
+        inside = (rel >= 0) & (rel < w) & (j < (self.lengths + s)[:, None])
+        nm = new_mask.to(dev).expand(self.rows, s, w)
+        tail = nm.gather(2, rel.clamp(0, w - 1)[:, None, :].expand(-1, s, -1)) & (inside & valid)[:, None]
+        mask = head[:, None] | tail  # (R, S, K)
+        diag = self.lengths[:, None] + torch.arange(s, device=dev)  # (R, S)
+        mask.scatter_(2, diag[..., None], True)
+        return mask[:, None]
+
+    def _uniform_mask(self, new_mask: torch.Tensor, since: int, s: int, total: int) -> torch.Tensor:
         if new_mask.shape[-1] != total - since:
             raise ValueError(f"new_mask covers {new_mask.shape[-1]} keys, expected {total - since}")
         head = self.valid[:, None, None, :since].expand(-1, 1, s, -1)  # (R, 1, S, since)
@@ -72,15 +135,37 @@ class KVCache:
         mask[:, :, diag, self.length + diag] = True
         return mask
 
+    # ---- compaction ---------------------------------------------------------------------
     def keep(self, start: int, idx: torch.Tensor) -> None:
-        """Keep only slots start + idx (ascending) after `start`, compacted in place."""
+        """Uniform rows: keep only slots start + idx (ascending) after `start`, compacted in place."""
         n = idx.numel()
         src = start + idx.to(self.k.device)
         self.k[:, :, :, start : start + n] = self.k.index_select(3, src)
         self.v[:, :, :, start : start + n] = self.v.index_select(3, src)
-        self.length = start + n
+        self.truncate(start + n)
 
-    def truncate(self, length: int) -> None:
-        if length > self.length:
-            raise ValueError(f"cannot truncate to {length} > {self.length}")
-        self.length = length
+    def keep_rows(self, start: torch.Tensor, idx: torch.Tensor, counts: torch.Tensor) -> None:
+        """Per row r keep slots start[r] + idx[r, :counts[r]] (ascending), compacted to
+        start[r] .. start[r] + counts[r]. idx (R, m) is padded past counts[r] (any in-range value)."""
+        dev = self.k.device
+        m = idx.shape[1]
+        if m:
+            src = (start[:, None] + idx).to(dev)  # (R, m)
+            dst = start[:, None].to(dev) + torch.arange(m, device=dev)  # (R, m)
+            shape = (self.k.shape[0], self.rows, self.k.shape[2], m, self.k.shape[4])
+            s5, d5 = (x[None, :, None, :, None].expand(shape) for x in (src, dst))
+            for buf in (self.k, self.v):
+                buf.scatter_(3, d5, buf.gather(3, s5))
+        self.set_lengths(start.to(dev) + counts.to(dev))
+
+    def load_rows(self, rows: torch.Tensor, other: "KVCache") -> None:
+        """Copy `other`'s rows (uniform, e.g. a prefill) into these rows; their lengths become its length."""
+        n = other.length
+        rows = rows.to(self.k.device)
+        self.k[:, rows, :, :n] = other.k[:, :, :, :n]
+        self.v[:, rows, :, :n] = other.v[:, :, :, :n]
+        self.valid[rows] = True
+        self.valid[rows, :n] = other.valid[:, :n]
+        lengths = self.lengths.clone()
+        lengths[rows] = n
+        self.set_lengths(lengths)

@@ -39,7 +39,7 @@ def engine_alone(cfg, prompts: list[str], seeds: list[int], threads: int) -> dic
     torch.set_num_threads(threads)
     gen = adt_core.Generator(load_bundle_spec(cfg.bundle), adt_core.DecodeConfig.from_dict(cfg.decode.engine_dict("cpu")))
     gen.generate(prompts[:1], seeds[:1])  # warm-up
-    b = cfg.batch_size
+    b = cfg.rows_per_call("cpu")
     times = []
     for i in range(0, len(prompts), b):
         t0 = time.perf_counter()
@@ -77,7 +77,7 @@ def pipeline_run(cfg) -> dict[str, Any]:
     tel = pq.read_table(cfg.output + "/telemetry").to_pylist()
     ok = sorted((r for r in tel if r["status"] == "ok"), key=lambda r: r["finished_at"])
     done = [r["finished_at"].timestamp() for r in ok]
-    first = min(cfg.batch_size, len(done))
+    first = min(cfg.rows_per_call("cpu"), len(done))
     steady = wall = None
     if len(done) > first and done[-1] > done[first - 1]:
         wall = done[-1] - done[first - 1]
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         engines.append(engine_in_fresh_process(cfg, prompts, seeds, args["threads"]))
         pipes.append(pipeline_run(cfg.model_copy(update={"output": f"{out}/out{r}"})))
     med = lambda runs, k: statistics.median(x[k] for x in runs if x.get(k) is not None) if any(x.get(k) for x in runs) else None  # noqa: E731
-    result = {"bundle": cfg.bundle, "decode": cfg.decode.model_dump(), "batch_size": cfg.batch_size,
+    result = {"bundle": cfg.bundle, "decode": cfg.decode.model_dump(), "batch_size": cfg.rows_per_call("cpu"),
               "threads": args["threads"], "images": len(prompts), "engine_runs": engines, "pipeline_runs": pipes}
     for name, k in (("total", "images_per_second"), ("steady", "steady_images_per_second")):
         e, p = med(engines, k), med(pipes, k)

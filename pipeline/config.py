@@ -46,6 +46,11 @@ class TreeSettings(_Strict):
     budget: int = Field(58, ge=1, le=4096, description="Draft nodes kept after reranking (verified per round).")
 
 
+# images in flight per engine by device kind (measured: docs/bench.md, `python -m jobs.bench --throughput`)
+ENGINE_BATCH = {"cpu": 16, "cuda": 64}
+ROWS_PER_ENGINE_SLOT = 4
+
+
 class DecodeSettings(_Strict):
     """How each image is decoded; mirrors adt_core's DecodeConfig (None = the bundle's default)."""
 
@@ -69,11 +74,28 @@ class DecodeSettings(_Strict):
     lantern: Optional[dict[str, Any]] = Field(
         None, description="LANTERN relaxed acceptance (JSON object: k, delta, lam); lossy; none = exact decoding."
     )
+    sampler: Literal["coupled", "rejection"] = Field(
+        "coupled", description="coupled = Gumbel noise fixed per (seed, position, token): every method and batch gives "
+        "AR's image for the same seed; rejection = recursive rejection sampling (same law, other images)."
+    )
+    draft_score: Literal["perturbed", "logq"] = Field(
+        "perturbed", description="Path score of coupled drafts for reranking and the cost budget (docs/adt_tree.md)."
+    )
+    batch_size: Optional[int] = Field(
+        None, ge=1, le=1024,
+        description="Images in flight per actor (one engine, continuous refill); none = the measured default of the "
+        f"device kind ({ENGINE_BATCH['cpu']} on CPU, {ENGINE_BATCH['cuda']} on CUDA; docs/bench.md).",
+    )
+
+    def engine_batch(self, device: str) -> int:
+        """Images in flight on `device` ('cpu', 'cuda', 'cuda:0', ...)."""
+        return self.batch_size or ENGINE_BATCH["cuda" if device.startswith("cuda") else "cpu"]
 
     def engine_dict(self, device: str) -> dict[str, Any]:
         """The keyword dict for `adt_core.DecodeConfig.from_dict` on `device`."""
         d = self.model_dump(exclude_none=True)
         d["device"] = device
+        d["batch_size"] = self.engine_batch(device)
         return d
 
 
@@ -139,7 +161,11 @@ class JobConfig(_Strict):
         description="CPUs reserved per actor on CPU clusters; none = a share leaving room for reads/writes "
         f"(never below {MIN_CPUS_PER_ACTOR}: the pool is capped to what fits).",
     )
-    batch_size: int = Field(4, ge=1, le=4096, description="Prompts per worker call (one generate() call).")
+    batch_size: Optional[int] = Field(
+        None, ge=1, le=65536,
+        description="Prompts per worker call (a Ray Data batch, streamed through one engine); none = "
+        f"{ROWS_PER_ENGINE_SLOT} x the engine's in-flight size, so a finished image's slot always has a next prompt.",
+    )
     limit: Optional[int] = Field(None, ge=1, description="Process only the first N prompts (in file order); none = all.")
     resume: bool = Field(False, description="Skip prompt ids whose telemetry in the output already says ok.")
     baseline_fraction: float = Field(
@@ -204,13 +230,18 @@ class JobConfig(_Strict):
             self.output = str(Path("outputs") / self.job_id)
         return self
 
+    def rows_per_call(self, device: str) -> int:
+        """Prompts per worker call (Ray Data batch) on `device`."""
+        return self.batch_size or ROWS_PER_ENGINE_SLOT * self.decode.engine_batch(device)
+
     def config_hash(self) -> str:
         """Hash of what decides the images and rows (bundle, decoding, seeding, validation).
 
         Scale-out settings (actors, batch size, paths, resume) are left out, so the same job
         run on a bigger cluster or resumed keeps its hash.
         """
-        decides = self.model_dump(mode="json", include={"bundle", "decode", "seed", "max_prompt_chars", "baseline_fraction"})
+        decides = self.model_dump(mode="json", include={"bundle", "decode", "seed", "max_prompt_chars", "baseline_fraction"},
+                                  exclude={"decode": {"batch_size"}})  # in-flight size: same images (coupled/greedy)
         return hashlib.sha256(json.dumps(decides, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_json(self) -> str:

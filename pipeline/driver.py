@@ -162,13 +162,15 @@ def _execute(cfg: JobConfig, source: PromptSource, todo: list[str], ledger: Ledg
     from ray.data import ActorPoolStrategy, DataContext
 
     plan = plan_actors(cfg, ray.cluster_resources(), num_prompts=len(todo))
+    rows = cfg.rows_per_call(plan.device)
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) > 1 and not is_remote(cfg.output):
         say(f"WARNING: {len(nodes)} nodes but a local output path: images land on each worker's own disk")
     for note in plan.notes:
         say(note)
     say(f"{len(todo)} prompt(s) to generate on {plan.num_actors} {plan.device} actor(s) "
-        f"({plan.num_gpus:g} GPU, {plan.num_cpus:g} CPU each), batch size {cfg.batch_size}")
+        f"({plan.num_gpus:g} GPU, {plan.num_cpus:g} CPU each), {rows} prompts per call, "
+        f"{cfg.decode.engine_batch(plan.device)} in flight per actor")
 
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = cfg.progress
@@ -179,7 +181,7 @@ def _execute(cfg: JobConfig, source: PromptSource, todo: list[str], ledger: Ledg
     if len(todo) < len(source.ids):
         ds = ds.map_batches(_keep_ids, fn_kwargs={"ids": pa.array(todo, pa.string())}, batch_format="pyarrow")
     # Small prompt files arrive as one block (one actor would get everything): split by rows.
-    per_block = max(1, min(cfg.batch_size, math.ceil(len(todo) / (plan.num_actors * 4))))
+    per_block = max(1, min(rows, math.ceil(len(todo) / (plan.num_actors * 4))))
     ds = ds.repartition(target_num_rows_per_block=per_block)
     ds = ds.map_batches(
         GeneratorWorker,
@@ -189,7 +191,7 @@ def _execute(cfg: JobConfig, source: PromptSource, todo: list[str], ledger: Ledg
             "fault": os.environ.get(FAULT_ENV),
             "num_threads": plan.threads,
         },
-        batch_size=cfg.batch_size,
+        batch_size=rows,
         batch_format="pyarrow",
         compute=ActorPoolStrategy(size=plan.num_actors),
         num_gpus=plan.num_gpus or None,

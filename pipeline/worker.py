@@ -4,13 +4,17 @@
 prompt rows (a pyarrow Table with prompt_id, prompt[, seed]) and returns one telemetry row
 per prompt (`pipeline.telemetry.SCHEMA`). It is plain Python: tests call it without Ray.
 
-Order per prompt: generate -> store the PNG at <output>/images/<safe prompt id>.png ->
-return its row. The driver writes rows after the batch returns, so an ok row always means
-the image exists; a retried batch rewrites the same keys (no duplicates).
+The whole Ray batch goes through one engine stream: up to `decode.batch_size` images in
+flight, the next prompt admitted as soon as one finishes. Order per prompt: the image
+finishes -> store the PNG at <output>/images/<safe prompt id>.png -> its row. The driver
+writes rows after the batch returns, so an ok row always means the image exists; a retried
+batch rewrites the same keys (no duplicates). The AR baseline (a sampled fraction of prompts)
+decodes afterwards, all sampled prompts of the batch together at the same engine batch size.
 
 Failures: an invalid row or an exception while generating/storing one prompt becomes a
-failed row. When a whole-batch generate raises, each prompt is retried alone so one bad
-prompt fails alone. Only an unrecoverable error (out of memory twice, a dead CUDA device)
+failed row; a prompt the engine cannot take (e.g. its caption fails to encode) fails alone
+while the others stay in flight. When the engine itself raises mid-batch, the prompts not
+finished yet are retried one by one so one bad prompt fails alone. Only an unrecoverable error (out of memory twice, a dead CUDA device)
 ends the actor process; Ray restarts it and retries the batch.
 
 Test-only fault switch: ADT_PIPELINE_FAULT=kill_once:<marker file> makes the first actor
@@ -26,7 +30,7 @@ import os
 import signal
 import socket
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import pyarrow as pa
 
@@ -161,9 +165,9 @@ class GeneratorWorker:
             else:
                 todo.append((i, pid, prompt, seed if seed is not None else derived_seed(pid, self.cfg.seed)))
 
-        results = self._generate([t[2] for t in todo], [t[3] for t in todo])
-        stored = 0
-        for (i, pid, prompt, seed), res in zip(todo, results):
+        stored, baseline = 0, []
+        for j, res in self._stream([t[2] for t in todo], [t[3] for t in todo]):  # as images finish
+            i, pid, prompt, seed = todo[j]
             if isinstance(res, BaseException):
                 out[i] = failed_row(self.ctx, pid, seed, _describe(res))
                 continue
@@ -171,51 +175,62 @@ class GeneratorWorker:
                 key = image_key(pid)
                 self.storage.put_bytes(key, encode_png(res.image), "image/png")  # image before its row
                 row = ok_row(self.ctx, pid, seed, key, res)
-                row["generation_time_ms"] = _per_image_ms(res)
+                row["generation_time_ms"] = res.stats.total_ms  # this image's share of its rounds
             except Exception as e:  # noqa: BLE001 - a storage or encoding error fails this row only
                 log.warning("prompt %s failed after generation: %s", pid, _describe(e))
                 out[i] = failed_row(self.ctx, pid, seed, _describe(e))
                 continue
             if self.baseline is not None and in_baseline_sample(pid, self.cfg.baseline_fraction):
-                self._add_baseline(row, prompt, seed)
+                baseline.append((row, prompt, seed))
             out[i] = row
             stored += 1
             if stored == 1 and len(todo) > 1:
                 self._maybe_fault()
+        self._add_baselines(baseline)
         return to_table(out)
 
     # ---- helpers --------------------------------------------------------------------------
-    def _generate(self, prompts: list[str], seeds: list[int]) -> list[Any]:
-        """Results (or the exception) per prompt: one batched call, per prompt on error."""
+    def _stream(self, prompts: list[str], seeds: list[int]) -> Iterator[tuple[int, Any]]:
+        """(index, result or exception) per prompt as images finish: the whole batch in flight in
+        one engine (continuous refill); after an engine error, the unfinished prompts one by one."""
+        from adt_core.engine import PromptFailure
+
         if not prompts:
-            return []
+            return
+        done: set[int] = set()
         try:
-            results = list(self.generator.generate(prompts, seeds))
-            if len(results) != len(prompts):
-                raise RuntimeError(f"engine returned {len(results)} results for {len(prompts)} prompts")
-            return results
+            for j, res in self.generator.stream(prompts, seeds):
+                done.add(j)
+                yield j, (res.error if isinstance(res, PromptFailure) else res)
+            return
         except Exception as e:  # noqa: BLE001
-            fatal = _is_fatal(e)
-            log.warning("batch of %d failed (%s); retrying one by one", len(prompts), _describe(e))
-            if fatal:
+            log.warning("batch of %d failed after %d images (%s); retrying one by one", len(prompts), len(done),
+                        _describe(e))
+            if _is_fatal(e):
                 self._free_memory()
-        results: list[Any] = []
-        for p, s in zip(prompts, seeds):
+        for j, (p, s) in enumerate(zip(prompts, seeds)):
+            if j in done:
+                continue
             try:
-                results.append(self.generator.generate([p], [s])[0])
+                yield j, self.generator.generate([p], [s])[0]
             except Exception as e:  # noqa: BLE001
                 if _is_fatal(e):
                     self._die(e)
-                results.append(e)
-        return results
+                yield j, e
 
-    def _add_baseline(self, row: dict, prompt: str, seed: int) -> None:
+    def _add_baselines(self, rows: list[tuple[dict, str, int]]) -> None:
+        """Decode the sampled prompts with `ar` at the job's engine batch size, together."""
+        if not rows:
+            return
         try:
-            add_baseline(row, self.baseline.generate([prompt], [seed])[0])
-        except Exception as e:  # noqa: BLE001 - the measurement is optional; the image is fine
+            results = self.baseline.generate([p for _, p, _ in rows], [s for _, _, s in rows])
+        except Exception as e:  # noqa: BLE001 - the measurement is optional; the images are fine
             if _is_fatal(e):
                 self._die(e)
-            log.warning("baseline for %s failed: %s", row["prompt_id"], _describe(e))
+            log.warning("baseline for %d prompts failed: %s", len(rows), _describe(e))
+            return
+        for (row, _, _), res in zip(rows, results):
+            add_baseline(row, res)
 
     def _free_memory(self) -> None:
         import gc
@@ -246,13 +261,6 @@ class GeneratorWorker:
         os.close(fd)
         log.error("fault switch: killing actor process %d mid-batch", os.getpid())
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _per_image_ms(res: Any) -> Optional[float]:
-    """Engine time of one image; AR batches report one shared wall time, so split it."""
-    total = getattr(res.stats, "total_ms", None)
-    n = max(1, int(getattr(res.stats, "batch_size", 1) or 1))
-    return None if total is None else float(total) / n
 
 
 def _dict_batch_rows(batch: dict) -> list[dict]:

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, LanternConfig, random_bundle
-from adt_core.adaptive import AdaptiveController, bisect_update, cost_budget, shape_budget
+from adt_core.adaptive import AdaptiveController, bisect_update, shape_budget
+from adt_core.budget import PROBE_EVERY, BatchBudget
 from adt_core.calibrate import CostTable
 
 CFG = AdaptiveConfig()  # d0 5, k0 10, beta 0.5, d in [2, 8], k in [2, 16], n in [8, 64]
@@ -82,35 +83,51 @@ def test_bounds_respected_over_random_sequences():
         i += a + 1
 
 
-def test_cost_budget_prefers_small_trees_when_verification_is_expensive():
-    scores = torch.log(torch.tensor([0.9, 0.8, 0.5, 0.1, 0.05, 0.02] + [0.01] * 58))
-    flat = CostTable({1: 10.0, 8: 10.0, 16: 10.0, 32: 10.0, 64: 10.0})
+def test_batch_budget_prefers_small_trees_when_verification_is_expensive():
+    conf = torch.log(torch.tensor([0.9, 0.8, 0.5, 0.1, 0.05, 0.02] + [0.01] * 58))
+    flat = CostTable({1: 10.0, 8: 10.0, 64: 10.0, 256: 10.0, 1024: 10.0})
     steep = CostTable({1: 10.0, 8: 80.0, 16: 160.0, 32: 320.0, 64: 640.0})
-    cfg = AdaptiveConfig(n_min=1)
-    assert cost_budget(scores, flat, 1.0, cfg) == 64
-    assert cost_budget(scores, steep, 1.0, cfg) <= 3
+    cfg = AdaptiveConfig()
+    assert BatchBudget(flat, cfg).choose([conf], 1.0) == 64  # verifying more is free: keep everything
+    assert BatchBudget(steep, cfg).choose([conf], 1.0) <= 3
+    # four slots: the forward carries 4 x (1 + m) tokens, so a linear cost never pays a node
+    linear = CostTable({1: 10.0, 4: 40.0, 8: 80.0, 64: 640.0, 512: 5120.0})
+    assert BatchBudget(linear, cfg).choose([conf] * 4, 1.0) == 0  # a plain AR step
+    assert BatchBudget(flat, cfg).choose([conf] * 4, 1.0) == 64
+
+
+def test_batch_budget_falls_back_to_ar_and_probes():
+    linear = CostTable({1: 10.0, 4: 40.0, 64: 640.0}, draft={1: 5.0, 64: 5.0})
+    b = BatchBudget(linear, AdaptiveConfig())
+    assert b.worth_drafting(4)  # no history yet: draft once
+    b.observe(4, accepted=0, nodes=8, draft_ms=20.0)
+    assert not b.worth_drafting(4)
+    for _ in range(PROBE_EVERY):
+        b.skip()
+    assert b.worth_drafting(4)  # a probe round refreshes the estimate
+    gate = b.level_gate(4)  # a token is worth 10 ms: a level costing 5 ms needs 0.5 expected tokens
+    assert gate(2, {0: 0.3, 1: 0.3}, 8) and not gate(2, {0: 0.2, 1: 0.2}, 8)
 
 
 def test_min_confidence_cuts_drafting_depth():
     """Expanded paths' confidences sum to at most 1: a floor above that stops after level 1, a zero
     floor builds every level, a floor between stops somewhere between."""
-    from adt_core.draft import TreeProposer
+    from adt_core.draft import DraftRequest, TreeProposer
 
     bundle = random_bundle(seed=3, vocab=16, grid=(4, 4))
     drafter, head = bundle.drafter, bundle.target.head
     dim, t = drafter.config.dim, drafter.config.cls_token_num
     hidden = torch.randn(1, t, dim, generator=torch.Generator().manual_seed(0))
 
-    def tree(min_conf: float):
+    def pool(min_conf: float):
         p = TreeProposer(drafter, head, 1.0, 1, t + 64)
-        p.observe(hidden, list(range(t)), 0)
-        return p.propose_dynamic(1, t, 4, 3, budget=40, min_confidence=min_conf)
+        p.observe(0, hidden, list(range(t)), 0)
+        return p.propose({0: DraftRequest(1, t, depth=4, width=3, min_confidence=min_conf)})[0]
 
-    full, cut, mid = tree(0.0), tree(1.5), tree(0.05)
-    assert full.depth == 4 and cut.depth == 1
-    scores = tree(0.0)  # the same tree again: drafting is deterministic
-    assert torch.equal(scores.tokens, full.tokens)
-    assert 1 <= mid.depth <= 4
+    full, cut, mid = pool(0.0), pool(1.5), pool(0.05)
+    assert int(full.depths.max()) == 4 and int(cut.depths.max()) == 1
+    assert torch.equal(pool(0.0).tokens, full.tokens)  # drafting is deterministic
+    assert 1 <= int(mid.depths.max()) <= 4
 
 
 def test_draft_level_cost_is_measured_once_per_generator_model():

@@ -105,7 +105,7 @@ def test_relative_paths_and_variables(published, monkeypatch, tmp_path):
     ({"target": {"path": "${NOT_SET_ANYWHERE}/t.pt"}}, "NOT_SET_ANYWHERE not set"),
     ({"target": {"path": "t.pt", "sha256": "abc"}}, "not a 64-digit hex"),
     ({"target": {"path": "t.pt", "heads": 4}}, "target: unknown fields \\['heads'\\]"),
-    ({"sampling": {"cfg_scale": 0.5}}, "cfg_scale must be >= 1"),
+    ({"sampling": {"cfg_scale": 0.5}}, "cfg_scale must be a finite number >= 1"),
     ({"dtype": "int8"}, "dtype must be one of"),
 ])
 def test_manifest_errors_name_the_field(tmp_path, change, match):

@@ -76,19 +76,45 @@ def test_deterministic_and_greedy_matches_ar_baseline(tmp_path):
 
 
 def test_one_bad_prompt_fails_alone(tmp_path, monkeypatch):
+    """The engine raises mid-stream (after one image): the rest are retried alone."""
     w = make_worker(tmp_path, decode={"method": "ar", "temperature": 0.0})
-    real = w.generator.generate
+    real_generate, real_stream = w.generator.generate, w.generator.stream
 
     def flaky(prompts, seeds):
         if any("boom" in p for p in prompts):
             raise RuntimeError("engine exploded on boom")
-        return real(prompts, seeds)
+        return real_generate(prompts, seeds)
+
+    def flaky_stream(prompts, seeds):
+        for n, item in enumerate(real_stream(prompts, seeds)):
+            if n == 1 and any("boom" in p for p in prompts):
+                raise RuntimeError("engine exploded on boom")
+            yield item
 
     monkeypatch.setattr(w.generator, "generate", flaky)
+    monkeypatch.setattr(w.generator, "stream", flaky_stream)
     rows = [{"prompt_id": f"p{i}", "prompt": p, "seed": i} for i, p in enumerate(["a cat", "boom", "a dog"])]
     got = {r["prompt_id"]: r for r in w(batch(rows)).to_pylist()}
     assert (got["p0"]["status"], got["p1"]["status"], got["p2"]["status"]) == ("ok", "failed", "ok")
     assert got["p1"]["error"] == "RuntimeError: engine exploded on boom"
+
+
+def test_prompt_the_engine_refuses_fails_alone_while_others_stay_in_flight(tmp_path, monkeypatch):
+    w = make_worker(tmp_path, decode={"method": "eagle2", "temperature": 0.0, "batch_size": 4})
+    enc = w.bundle.text_encoder
+    real = enc.encode
+
+    def encode(prompts):
+        if any("boom" in p for p in prompts):
+            raise ValueError("caption cannot be encoded")
+        return real(prompts)
+
+    monkeypatch.setattr(enc, "encode", encode)
+    texts = ["a cat", "boom", "a dog", "a red heart", "a tree"]
+    rows = [{"prompt_id": f"p{i}", "prompt": p, "seed": i} for i, p in enumerate(texts)]
+    got = {r["prompt_id"]: r for r in w(batch(rows)).to_pylist()}
+    assert [got[f"p{i}"]["status"] for i in range(5)] == ["ok", "failed", "ok", "ok", "ok"]
+    assert got["p1"]["error"] == "ValueError: caption cannot be encoded"
 
 
 def test_storage_error_fails_the_row(tmp_path, monkeypatch):
@@ -114,6 +140,7 @@ def test_unrecoverable_error_outside_ray_raises(tmp_path, monkeypatch):
         raise MemoryError("out of memory")
 
     monkeypatch.setattr(w.generator, "generate", oom)
+    monkeypatch.setattr(w.generator, "stream", oom)
     with pytest.raises(WorkerDied):
         w(batch([{"prompt_id": "p", "prompt": "a cat", "seed": 1}]))
 

@@ -1,0 +1,136 @@
+"""Many images in flight: batch invariance, the ragged cache, continuous refill, failures alone."""
+
+import pytest
+import torch
+
+from adt_core import AdaptiveConfig, DecodeConfig, Generator, TreeConfig, random_bundle
+from adt_core.batch import BatchDecoder
+from adt_core.calibrate import CostTable
+from adt_core.engine import PromptFailure
+
+PROMPTS = ["a red apple", "blue dog on grass", "sun", "green frog jumping high", "x y z"]
+SEEDS = [3, 14, 15, 92, 65]
+# a cost table under which drafting pays on small trees but not on wide ones (deterministic shapes)
+COSTS = CostTable({1: 1.0, 4: 1.2, 8: 1.5, 16: 2.5, 32: 5.0, 64: 10.0, 128: 20.0}, draft_level_ms=0.2,
+                  draft={1: 0.2, 64: 0.4, 256: 1.0})
+
+METHODS = [
+    ("static", dict(tree=TreeConfig(depth=4))),
+    ("eagle2", dict(tree=TreeConfig(depth=4, top_k=4, budget=12))),
+    ("adt", dict(adaptive=AdaptiveConfig(d_max=5, k_max=6, n_max=16))),
+    ("adt", dict(adaptive=AdaptiveConfig(budget="cost", d_max=5, k_max=6, n_max=16))),
+]
+
+
+def run(bundle, method, prompts, seeds, **kw):
+    g = Generator(bundle, DecodeConfig(method=method, **kw))
+    g.use_costs(COSTS)
+    return g.generate(prompts, seeds)
+
+
+@pytest.mark.parametrize("grid,vocab", [((3, 5), 24), ((5, 3), 16)])
+@pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
+@pytest.mark.parametrize("temperature", [0.0, 1.1])
+def test_every_image_is_the_image_ar_makes_alone(grid, vocab, cfg_scale, temperature):
+    bundle = random_bundle(seed=11, vocab=vocab, grid=grid)
+    kw = dict(temperature=temperature, cfg_scale=cfg_scale, top_k=10 if temperature else 0)
+    alone = {p: run(bundle, "ar", [p], [s], batch_size=1, **kw)[0].tokens for p, s in zip(PROMPTS, SEEDS)}
+    order = [4, 2, 0, 3, 1]
+    refilled = False
+    for method, extra in [("ar", {})] + METHODS:
+        for bs in (1, 3, 8):
+            for idx in (range(5), order):
+                ps, ss = [PROMPTS[i] for i in idx], [SEEDS[i] for i in idx]
+                res = run(bundle, method, ps, ss, batch_size=bs, **kw, **extra)
+                for p, r in zip(ps, res):
+                    assert torch.equal(r.tokens, alone[p]), (method, extra, bs, p)
+                    assert r.stats.batch_size == min(bs, 5)
+                if method != "ar" and bs == 3:
+                    rounds = [len(r.stats.rounds) for r in res[:3]]
+                    refilled |= len(set(rounds)) > 1  # images left at different rounds: refill mid-batch
+    assert refilled
+
+
+def test_stream_yields_as_images_finish_and_in_input_order_from_generate():
+    bundle = random_bundle(seed=12, vocab=16, grid=(4, 4))
+    g = Generator(bundle, DecodeConfig(method="eagle2", temperature=0.0, batch_size=2,
+                                       tree=TreeConfig(depth=3, top_k=3, budget=6)))
+    got = list(g.stream(PROMPTS, SEEDS))
+    assert sorted(i for i, _ in got) == list(range(5))
+    gen = g.generate(PROMPTS, SEEDS)
+    for i, r in got:
+        assert torch.equal(r.tokens, gen[i].tokens) and r.prompt == PROMPTS[i]
+
+
+def test_a_failing_prompt_fails_alone():
+    bundle = random_bundle(seed=13, vocab=16, grid=(4, 4))
+    enc = bundle.text_encoder
+    real = enc.encode
+
+    def encode(prompts):
+        if any("BAD" in p for p in prompts):
+            raise ValueError("cannot encode BAD")
+        return real(prompts)
+
+    enc.encode = encode
+    prompts = PROMPTS[:2] + ["BAD prompt"] + PROMPTS[2:]
+    seeds = SEEDS[:2] + [7] + SEEDS[2:]
+    g = Generator(bundle, DecodeConfig(method="adt", temperature=1.0, batch_size=3))
+    out = dict(g.stream(prompts, seeds))
+    assert isinstance(out[2], PromptFailure) and "cannot encode BAD" in str(out[2].error)
+    enc.encode = real
+    for i, p in enumerate(prompts):
+        if i != 2:
+            alone = Generator(bundle, DecodeConfig(method="ar", temperature=1.0, batch_size=1)).generate([p], [seeds[i]])
+            assert torch.equal(out[i].tokens, alone[0].tokens)
+    with pytest.raises(ValueError, match="cannot encode BAD"):
+        enc.encode = encode
+        g.generate(prompts, seeds)
+
+
+def fresh_cache_rows(g, prompt, committed):
+    """A single-image cache holding captions + committed[:-1] (the root is not cached yet)."""
+    cap, cmask = g.bundle.text_encoder.encode([prompt])
+    cache = g.bundle.target.new_cache(g.cfg_rows, g.bundle.target.config.cls_token_num + len(committed))
+    g.prefill(cap, cmask, cache)
+    t = cache.length
+    toks = torch.tensor(committed[:-1])[None].repeat(g.cfg_rows, 1)
+    if toks.shape[1]:
+        causal = torch.ones(toks.shape[1], toks.shape[1], dtype=torch.bool).tril()
+        g.bundle.target(torch.arange(t, t + toks.shape[1]), cache.attn_mask(causal), cache, tokens=toks)
+    return cache
+
+
+@pytest.mark.parametrize("method,cfg_scale", [("eagle2", 3.0), ("adt", 1.0), ("ar", 3.0)])
+def test_ragged_cache_rows_hold_exactly_the_committed_prefix(method, cfg_scale):
+    bundle = random_bundle(seed=14, vocab=16, grid=(4, 5))
+    g = Generator(bundle, DecodeConfig(method=method, temperature=0.9, cfg_scale=cfg_scale, batch_size=3,
+                                       tree=TreeConfig(depth=3, top_k=3, budget=8)))
+    g.use_costs(COSTS)
+    g._place_models()
+    dec = BatchDecoder(g, 3)
+    queue = list(zip(range(5), PROMPTS, SEEDS))
+    nbytes, t = dec.cache.nbytes(), bundle.target.config.cls_token_num
+    done, rounds = 0, 0
+    with torch.inference_mode():
+        while queue or dec.active():
+            free = len(dec.free())
+            if queue and free:
+                items, queue = queue[:free], queue[free:]
+                cap, cmask = bundle.text_encoder.encode([p for _, p, _ in items])
+                done += len(dec.admit(items, cap, cmask))
+            done += len(dec.step())
+            rounds += 1
+            assert dec.cache.nbytes() == nbytes  # preallocated once: no growth with rounds
+            for b in dec.active():
+                s = dec.slots[b]
+                ref = fresh_cache_rows(g, s.prompt, s.committed)
+                n = ref.length
+                for j, row in enumerate(dec.rows(b).tolist()):
+                    assert int(dec.cache.lengths[row]) == t + len(s.committed) - 1 == n
+                    assert torch.equal(dec.cache.valid[row, :t], ref.valid[j, :t])
+                    torch.testing.assert_close(dec.cache.k[:, row, :, :n], ref.k[:, j, :, :n], atol=1e-5, rtol=1e-4)
+                    torch.testing.assert_close(dec.cache.v[:, row, :, :n], ref.v[:, j, :, :n], atol=1e-5, rtol=1e-4)
+            for b in dec.free():  # retired rows are empty again
+                assert all(int(dec.cache.lengths[r]) == 0 for r in dec.rows(b).tolist())
+    assert done == 5 and rounds > 4
