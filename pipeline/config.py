@@ -25,8 +25,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 CONFIG_FILE = "job.json"
+DEFAULT_INPUT = "examples/prompts.parquet"  # in a checkout; installed wheels carry a copy (packaged_input)
 MIN_CPUS_PER_ACTOR = 0.25  # below this an actor (torch + a bundle) makes no progress and only costs memory
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def packaged_input() -> Path:
+    """The example prompts shipped inside the package (the default input outside a checkout)."""
+    return Path(__file__).resolve().parent / "assets" / "prompts.parquet"
 
 
 class ConfigError(ValueError):
@@ -139,7 +145,7 @@ class JobConfig(_Strict):
         None, description="Job name used in the default output path and telemetry; none = a timestamped id."
     )
     input: str = Field(
-        "examples/prompts.parquet",
+        DEFAULT_INPUT,
         description="Prompts: a Parquet file, a folder of Parquet files or an s3:// prefix "
         "(columns prompt_id: string unique, prompt: string, optional seed: int).",
     )

@@ -45,7 +45,7 @@ import pyarrow.compute as pc
 
 from pipeline.checks import JobRefused, check_bundle, check_engine_config
 from pipeline.cluster import ActorPlan, ClusterUnavailable, connect, plan_actors
-from pipeline.config import ConfigError, JobConfig
+from pipeline.config import DEFAULT_INPUT, ConfigError, JobConfig, packaged_input
 from pipeline.history import ConfigChanged, check_and_record, finish_record
 from pipeline.lease import Lease, LeaseHeld
 from pipeline.ledger import Ledger, compact, latest_per_prompt, read_telemetry
@@ -94,10 +94,14 @@ class JobResult:
 
 
 def _absolute(cfg: JobConfig) -> JobConfig:
-    """Local paths become absolute, so actors (another cwd) and job.json agree."""
+    """Local paths become absolute, so actors (another cwd) and job.json agree. The default
+    input, when this checkout's examples/ is not here (an installed wheel), is the copy
+    packaged with the pipeline."""
     upd = {}
+    if cfg.input == DEFAULT_INPUT and not os.path.exists(DEFAULT_INPUT):
+        upd["input"] = str(packaged_input())
     for name in ("input", "output"):
-        value = getattr(cfg, name)
+        value = upd.get(name, getattr(cfg, name))
         if not is_remote(value):
             upd[name] = parse_uri(value).path
     return cfg.model_copy(update=upd)
