@@ -172,6 +172,16 @@ class JobConfig(_Strict):
         description="Prompts per worker call (a Ray Data batch, streamed through one engine); none = "
         f"{ROWS_PER_ENGINE_SLOT} x the engine's in-flight size, so a finished image's slot always has a next prompt.",
     )
+    output_format: Literal["files", "webdataset", "parquet"] = Field(
+        "files", description="files = images/<id>.png plus images/metadata.parquet (datasets' imagefolder); "
+        "webdataset = tar shards under shards/ (<key>.png, <key>.json row, <key>.txt caption); "
+        "parquet = Parquet shards under shards/ with the PNG bytes inline beside the row.",
+    )
+    shard_size: Optional[int] = Field(
+        None, ge=1, le=1_000_000,
+        description="Images per shard at most (webdataset, parquet); a shard never spans two worker calls, so "
+        "none = one shard per worker call (--batch-size sets it).",
+    )
     limit: Optional[int] = Field(None, ge=1, description="Process only the first N prompts (in file order); none = all.")
     resume: bool = Field(False, description="Skip prompt ids whose telemetry in the output already says ok.")
     baseline_fraction: float = Field(
@@ -248,6 +258,8 @@ class JobConfig(_Strict):
         """
         decides = self.model_dump(mode="json", include={"bundle", "decode", "seed", "max_prompt_chars", "baseline_fraction"},
                                   exclude={"decode": {"batch_size"}})  # in-flight size: same images (coupled/greedy)
+        if self.output_format != "files":  # one layout per output (files keeps the hashes of earlier jobs)
+            decides["output_format"] = self.output_format
         return hashlib.sha256(json.dumps(decides, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_json(self) -> str:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import _thread
 import json
 import logging
-import math
 import os
 import secrets
 import signal
@@ -44,16 +43,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.checks import JobRefused, check_bundle, check_engine_config
-from pipeline.cluster import ActorPlan, ClusterUnavailable, connect, plan_actors
+from pipeline.cluster import ActorPlan, ClusterUnavailable, connect
+from pipeline.execute import JobInterrupted, execute
 from pipeline.config import DEFAULT_INPUT, ConfigError, JobConfig, packaged_input
 from pipeline.history import ConfigChanged, check_and_record, finish_record
 from pipeline.lease import Lease, LeaseHeld
 from pipeline.ledger import Ledger, compact, latest_per_prompt, read_telemetry
 from pipeline.prompts import PromptInputError, PromptSource, open_prompts, select_ids
-from pipeline.retry import StorageUnavailable, is_transient
+from pipeline.shards import SAMPLE_COLUMNS, finish_outputs
+from pipeline.retry import StorageUnavailable
 from pipeline.storage import Storage, is_remote, open_storage, parse_uri
 from pipeline.telemetry import STATUS_OK, TELEMETRY_DIR, format_summary, summarize
-from pipeline.worker import FAULT_ENV, GeneratorWorker
 
 log = logging.getLogger(__name__)
 
@@ -77,15 +77,6 @@ EXIT_CODES = {
 }
 
 
-class JobInterrupted(BaseException):
-    """SIGTERM / SIGINT arrived (a BaseException, like KeyboardInterrupt, so that no
-    `except Exception` on the way swallows it)."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"interrupted by {signal.Signals(signum).name}")
-        self.signum = signum
-
-
 @dataclass
 class JobResult:
     summary: dict[str, Any]
@@ -105,10 +96,6 @@ def _absolute(cfg: JobConfig) -> JobConfig:
         if not is_remote(value):
             upd[name] = parse_uri(value).path
     return cfg.model_copy(update=upd)
-
-
-def _keep_ids(batch: pa.Table, ids: pa.Array) -> pa.Table:
-    return batch.filter(pc.is_in(batch["prompt_id"], value_set=ids))
 
 
 class _Printer:
@@ -141,82 +128,6 @@ class _Signals:
         for sig, prev in self.previous.items():
             signal.signal(sig, prev)
         self.previous = {}
-
-
-def _dataset_failure(err: BaseException, source: PromptSource) -> Optional[StorageUnavailable]:
-    """The StorageUnavailable behind a failed Ray Data execution, if a store caused it."""
-    seen: set[int] = set()
-    e: Optional[BaseException] = err
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, StorageUnavailable):
-            return e
-        if is_transient(e) or "storage unavailable" in str(e):
-            return StorageUnavailable(source.uri, f"reading prompts failed: {str(e).strip().splitlines()[-1][:300]}")
-        e = e.__cause__ or e.__context__
-    text = str(err)
-    if any(t in text for t in ("NETWORK_CONNECTION", "curlCode", "Connection refused")):
-        return StorageUnavailable(source.uri, f"reading prompts failed: {text.strip().splitlines()[-1][:300]}")
-    return None
-
-
-def _execute(cfg: JobConfig, source: PromptSource, todo: list[str], ledger: Ledger, say: _Printer) -> ActorPlan:
-    """Run the actor pool over `todo`, handing every returned batch of rows to the ledger."""
-    import ray
-    from ray.data import ActorPoolStrategy, DataContext
-
-    plan = plan_actors(cfg, ray.cluster_resources(), num_prompts=len(todo))
-    rows = cfg.rows_per_call(plan.device)
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    if len(nodes) > 1 and not is_remote(cfg.output):
-        say(f"WARNING: {len(nodes)} nodes but a local output path: images land on each worker's own disk")
-    for note in plan.notes:
-        say(note)
-    say(f"{len(todo)} prompt(s) to generate on {plan.num_actors} {plan.device} actor(s) "
-        f"({plan.num_gpus:g} GPU, {plan.num_cpus:g} CPU each), {rows} prompts per call, "
-        f"{cfg.decode.engine_batch(plan.device)} in flight per actor")
-
-    ctx = DataContext.get_current()
-    ctx.enable_progress_bars = cfg.progress
-    if ctx.wait_for_min_actors_s < 0:
-        ctx.wait_for_min_actors_s = 1800  # fail rather than hang when actors cannot be placed
-
-    ds = ray.data.read_parquet(source.paths, filesystem=source.filesystem).select_columns(source.columns)
-    if len(todo) < len(source.ids):
-        ds = ds.map_batches(_keep_ids, fn_kwargs={"ids": pa.array(todo, pa.string())}, batch_format="pyarrow")
-    # Small prompt files arrive as one block (one actor would get everything): split by rows.
-    per_block = max(1, min(rows, math.ceil(len(todo) / (plan.num_actors * 4))))
-    ds = ds.repartition(target_num_rows_per_block=per_block)
-    ds = ds.map_batches(
-        GeneratorWorker,
-        fn_constructor_kwargs={
-            "config": cfg.model_dump(mode="json"),
-            "device": plan.device,
-            "fault": os.environ.get(FAULT_ENV),
-            "num_threads": plan.threads,
-        },
-        batch_size=rows,
-        batch_format="pyarrow",
-        compute=ActorPoolStrategy(size=plan.num_actors),
-        num_gpus=plan.num_gpus or None,
-        num_cpus=plan.num_cpus,
-    )
-    batches = iter(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
-    try:
-        for batch in batches:
-            ledger.add(batch)  # durable before the next batch is taken
-    except (StorageUnavailable, JobInterrupted):
-        raise
-    except Exception as e:  # noqa: BLE001 - a failed execution: a store, or a bug
-        outage = _dataset_failure(e, source)
-        if outage is not None:
-            raise outage from e
-        raise
-    finally:
-        close = getattr(batches, "close", None)
-        if close is not None:
-            close()  # stops the pool when we leave early
-    return plan
 
 
 def run_job(cfg: JobConfig, stream: Optional[TextIO] = None) -> JobResult:
@@ -289,7 +200,7 @@ def _run_leased(cfg: JobConfig, stream: TextIO, signals: _Signals, say: _Printer
             signals.install()  # ray.init in the main thread installs its own SIGTERM handler
             lease.on_lost = lambda: _thread.interrupt_main(signal.SIGINT)
             t_exec = time.perf_counter()
-            plan = _execute(cfg, source, todo, ledger, say)
+            plan = execute(cfg, source, todo, ledger, say, run_id)
         except (JobInterrupted, StorageUnavailable) as e:
             stopped = e
         finally:
@@ -308,6 +219,12 @@ def _run_leased(cfg: JobConfig, stream: TextIO, signals: _Signals, say: _Printer
     try:
         ledger.flush()
         compact(output, cfg.telemetry_rows_per_file)
+        if not isinstance(stopped, StorageUnavailable):
+            cols_out = list(dict.fromkeys(cols + ["image_key"] + SAMPLE_COLUMNS))
+            done = finish_outputs(output, cfg.output_format, read_telemetry(output, columns=cols_out))
+            if done.get("rewritten") or done.get("deleted"):
+                say(f"shards: {done['rewritten']} rewritten, {done['deleted']} deleted (images of rows that were "
+                    f"not durable, now in another shard)")
     except StorageUnavailable as e:
         stopped = stopped if isinstance(stopped, StorageUnavailable) else e
     summary = summarize(ledger.rows(), wall_time_s=exec_s, skipped=skipped, total_input=wanted)
@@ -323,7 +240,7 @@ def _run_leased(cfg: JobConfig, stream: TextIO, signals: _Signals, say: _Printer
         status={EXIT_INTERRUPTED: "interrupted", EXIT_STORAGE_UNAVAILABLE: "storage unavailable"}.get(code, "done"),
         exit_code=code, error=str(stopped) if stopped else None,
     )
-    where = {"images": output.uri_for("images"), "telemetry": output.uri_for(TELEMETRY_DIR),
+    where = {"images": output.uri_for("images" if cfg.output_format == "files" else "shards"), "telemetry": output.uri_for(TELEMETRY_DIR),
              "summary": output.uri_for("summary.json"), "config": output.uri_for("job.json")}
     try:
         output.put_text("summary.json", json.dumps(summary, indent=2, default=str) + "\n", "application/json")

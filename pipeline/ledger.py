@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 PART_MARK = "-part-"
 # Columns the run summary needs; the ledger keeps only these in memory.
-SUMMARY_COLUMNS = ["prompt_id", "status", "error", "finished_at", "speedup", "estimated_speedup",
+SUMMARY_COLUMNS = ["prompt_id", "status", "error", "finished_at", "actor_id", "speedup", "estimated_speedup",
                    "mean_acceptance_length", "draft_acceptance_rate", "generation_time_ms", "baseline_tokens_match"]
 
 
@@ -48,6 +48,19 @@ def _run_of(key: str) -> str:
     return name.split(PART_MARK, 1)[0] if PART_MARK in name else name.split("_c", 1)[0]
 
 
+def _read_columns(output: Storage, key: str, columns: Optional[list[str]]) -> pa.Table:
+    """The file's `columns`; a file written before a column existed gives the ones it has."""
+    try:
+        return output.read_parquet(key, columns=columns)
+    except StorageUnavailable:
+        raise
+    except Exception:  # noqa: BLE001 - a column this older file lacks (or damage: read again)
+        if columns is None:
+            raise
+        table = output.read_parquet(key)
+        return table.select([c for c in columns if c in table.column_names])
+
+
 def read_telemetry(output: Storage, columns: Optional[list[str]] = None, name_prefix: str = "") -> pa.Table | None:
     """All readable telemetry files under <output>/telemetry (optionally only files whose
     name starts with `name_prefix`), concatenated; None when there are none. A file that
@@ -57,7 +70,7 @@ def read_telemetry(output: Storage, columns: Optional[list[str]] = None, name_pr
     tables = []
     for key in keys:
         try:
-            tables.append(output.read_parquet(key, columns=columns))
+            tables.append(_read_columns(output, key, columns))
         except StorageUnavailable:
             raise
         except Exception as e:  # noqa: BLE001 - a damaged file, not an outage

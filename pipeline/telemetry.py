@@ -41,16 +41,21 @@ ROUND_TYPE = pa.struct(
 # (name, type, description): the single definition of the telemetry table.
 COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("job_id", pa.string(), "job id (JobConfig.job_id)"),
+    ("run_id", pa.string(), "the run (one invocation of the job) that produced the row"),
     ("prompt_id", pa.string(), "prompt id from the input"),
+    ("prompt", pa.string(), "the prompt text (the image's caption)"),
     ("seed", pa.int64(), "seed used (the input's, or derived from the prompt id when absent); null if invalid"),
     ("status", pa.string(), "ok | failed"),
     ("error", pa.string(), "why the row failed (null when ok)"),
-    ("image_key", pa.string(), "image key under the output root, images/<sanitised prompt id>.png (null when failed)"),
+    ("image_key", pa.string(), "where the image is, under the output root: images/<sanitised prompt id>.png, or the "
+     "shard holding it (shards/<name>.tar | .parquet, sample key = sanitised prompt id); null when failed"),
+    ("width", pa.int32(), "image width in pixels (null when failed)"),
+    ("height", pa.int32(), "image height in pixels (null when failed)"),
     ("bundle", pa.string(), "model bundle name"),
     ("method", pa.string(), "decoding method: ar | static | eagle2 | adt"),
     ("config_hash", pa.string(), "hash of what decides the images (JobConfig.config_hash)"),
     ("lossy", pa.bool_(), "true when acceptance was relaxed (LANTERN): output may differ from the target's distribution"),
-    ("sampler", pa.string(), "how drafts were verified: coupled | rejection (null when the engine does not say)"),
+    ("sampler", pa.string(), "what drew the tokens: greedy (temperature 0) | coupled | rejection (null when the engine does not say)"),
     ("grid_h", pa.int16(), "token grid height"),
     ("grid_w", pa.int16(), "token grid width"),
     ("tokens", pa.list_(pa.int16()), "token grid, row-major, grid_h * grid_w ids"),
@@ -89,6 +94,7 @@ class RowContext:
     bundle: str
     method: str
     config_hash: str
+    run_id: Optional[str] = None
     actor_id: str = "local"
     node_id: str = "local"
     hostname: str = ""
@@ -99,18 +105,19 @@ def _now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
-def _base_row(ctx: RowContext, prompt_id: str, seed: Optional[int]) -> dict[str, Any]:
+def _base_row(ctx: RowContext, prompt_id: str, seed: Optional[int], prompt: Optional[str]) -> dict[str, Any]:
     row: dict[str, Any] = dict.fromkeys(COLUMN_NAMES)
     row.update(
-        job_id=ctx.job_id, prompt_id=prompt_id, seed=seed, bundle=ctx.bundle, method=ctx.method,
+        job_id=ctx.job_id, run_id=ctx.run_id, prompt_id=prompt_id, prompt=prompt, seed=seed, bundle=ctx.bundle, method=ctx.method,
         config_hash=ctx.config_hash, actor_id=ctx.actor_id, node_id=ctx.node_id, hostname=ctx.hostname,
         device=ctx.device, finished_at=_now(),
     )
     return row
 
 
-def failed_row(ctx: RowContext, prompt_id: str, seed: Optional[int], error: str) -> dict[str, Any]:
-    row = _base_row(ctx, prompt_id, seed)
+def failed_row(ctx: RowContext, prompt_id: str, seed: Optional[int], error: str,
+               prompt: Optional[str] = None) -> dict[str, Any]:
+    row = _base_row(ctx, prompt_id, seed, prompt if isinstance(prompt, str) else None)
     row.update(status=STATUS_FAILED, error=error[:2000])
     return row
 
@@ -138,11 +145,23 @@ def _round(r: Any) -> dict[str, Any]:
     return {name: d.get(name) for name in ROUND_TYPE.names}
 
 
-def ok_row(ctx: RowContext, prompt_id: str, seed: int, image_key: str, result: Any) -> dict[str, Any]:
+def image_size(image: Any) -> tuple[Optional[int], Optional[int]]:
+    """(width, height) in pixels of a uint8 (H, W, 3) array or a PIL image."""
+    if image is None:
+        return None, None
+    if hasattr(image, "size") and not hasattr(image, "shape"):
+        return int(image.size[0]), int(image.size[1])
+    shape = getattr(image, "shape", None)
+    return (int(shape[1]), int(shape[0])) if shape is not None and len(shape) >= 2 else (None, None)
+
+
+def ok_row(ctx: RowContext, prompt_id: str, seed: int, image_key: Optional[str], result: Any,
+           prompt: Optional[str] = None) -> dict[str, Any]:
     """The row of one successful GenerationResult (tokens, image already stored, stats)."""
     s = result.stats
-    row = _base_row(ctx, prompt_id, seed)
+    row = _base_row(ctx, prompt_id, seed, prompt)
     h, w, ids = tokens_to_list(result.tokens)
+    row["width"], row["height"] = image_size(getattr(result, "image", None))
     drafted = int(getattr(s, "draft_tokens", 0) or 0)
     accepted = int(getattr(s, "accepted_draft_tokens", 0) or 0)
     row.update(
@@ -193,11 +212,42 @@ def empty_table() -> pa.Table:
 # Summary
 
 
+def _percentile(sorted_vals: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default) of an ascending list."""
+    pos = (len(sorted_vals) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_vals) - 1)
+    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
+
+
 def _stats(values: list[float]) -> dict[str, Optional[float]]:
-    vals = [v for v in values if v is not None and not math.isnan(v)]
+    vals = sorted(v for v in values if v is not None and not math.isnan(v))
     if not vals:
-        return {"count": 0, "mean": None, "median": None}
-    return {"count": len(vals), "mean": statistics.fmean(vals), "median": statistics.median(vals)}
+        return {"count": 0, "mean": None, "median": None, "p10": None, "p50": None, "p90": None}
+    return {"count": len(vals), "mean": statistics.fmean(vals), "median": statistics.median(vals),
+            "p10": _percentile(vals, 0.1), "p50": _percentile(vals, 0.5), "p90": _percentile(vals, 0.9)}
+
+
+def steady_images_per_second(table: pa.Table) -> Optional[float]:
+    """Throughput once every actor is up: ok rows finished after the last actor's first row,
+    over the time from that moment to the last row (actor start-up and bundle loading left
+    out). None with fewer than two distinct finishing times after start-up."""
+    if table.num_rows == 0 or "actor_id" not in table.column_names:
+        return None
+    ok = table.filter(pa.compute.equal(table["status"], STATUS_OK))
+    if ok.num_rows < 2:
+        return None
+    firsts: dict[str, dt.datetime] = {}
+    times = ok["finished_at"].to_pylist()
+    for actor, t in zip(ok["actor_id"].to_pylist(), times):
+        if actor not in firsts or t < firsts[actor]:
+            firsts[actor] = t
+    t0 = max(firsts.values())
+    later = [t for t in times if t > t0]
+    if not later:
+        return None
+    span = (max(later) - t0).total_seconds()
+    return len(later) / span if span > 0 else None
 
 
 def summarize(table: pa.Table, *, wall_time_s: float, skipped: int = 0, total_input: Optional[int] = None) -> dict[str, Any]:
@@ -218,6 +268,7 @@ def summarize(table: pa.Table, *, wall_time_s: float, skipped: int = 0, total_in
         "skipped": skipped,
         "wall_time_s": wall_time_s,
         "images_per_second": (ok / wall_time_s) if wall_time_s > 0 else None,
+        "steady_images_per_second": steady_images_per_second(table),
         "speedup": _stats(col("speedup")),
         "estimated_speedup": _stats(col("estimated_speedup")),
         "mean_acceptance_length": _stats(col("mean_acceptance_length")),
@@ -241,7 +292,10 @@ def format_summary(summary: dict[str, Any], *, title: str = "generation summary"
         f"prompts   ok {s['ok']}   failed {s['failed']}   skipped (already done) {s['skipped']}"
         + (f"   of {s['total_input']}" if s.get("total_input") is not None else ""),
         f"time      {_fmt(s['wall_time_s'], '.1f', ' s')}   images/s {_fmt(s['images_per_second'], '.3f')}"
-        f"   per image {_fmt(s['generation_time_ms']['mean'], '.0f', ' ms')} (mean)",
+        f"   steady {_fmt(s.get('steady_images_per_second'), '.3f')}"
+        f"   per image {_fmt(s['generation_time_ms']['mean'], '.0f', ' ms')} (mean)"
+        f" p10 {_fmt(s['generation_time_ms'].get('p10'), '.0f')} p50 {_fmt(s['generation_time_ms'].get('p50'), '.0f')}"
+        f" p90 {_fmt(s['generation_time_ms'].get('p90'), '.0f')}",
         f"speedup   measured mean {_fmt(s['speedup']['mean'], '.2f', 'x')} median {_fmt(s['speedup']['median'], '.2f', 'x')}"
         f" (n={s['speedup']['count']})   estimated mean {_fmt(s['estimated_speedup']['mean'], '.2f', 'x')}"
         f" median {_fmt(s['estimated_speedup']['median'], '.2f', 'x')}",

@@ -6,7 +6,9 @@ per prompt (`pipeline.telemetry.SCHEMA`). It is plain Python: tests call it with
 
 The whole Ray batch goes through one engine stream: up to `decode.batch_size` images in
 flight, the next prompt admitted as soon as one finishes. Order per prompt: the image
-finishes -> store the PNG at <output>/images/<safe prompt id>.png -> its row. The driver
+finishes -> store the PNG at <output>/images/<safe prompt id>.png -> its row (with
+`output_format` webdataset / parquet the call's images go into shards, written before the
+call returns its rows: pipeline.shards). The driver
 writes rows after the batch returns, so an ok row always means the image exists; a retried
 batch rewrites the same keys (no duplicates). The AR baseline (a sampled fraction of prompts)
 decodes afterwards, all sampled prompts of the batch together at the same engine batch size.
@@ -36,6 +38,7 @@ import pyarrow as pa
 
 from pipeline.config import JobConfig
 from pipeline.prompts import MAX_SEED, derived_seed, row_problem
+from pipeline.shards import Sample, sample_key, write_shards
 from pipeline.storage import image_key, open_storage
 from pipeline.telemetry import RowContext, add_baseline, failed_row, ok_row, to_table
 
@@ -121,7 +124,7 @@ class GeneratorWorker:
     """Callable class for `Dataset.map_batches(..., batch_format="pyarrow")`."""
 
     def __init__(self, config: dict | JobConfig, device: Optional[str] = None, fault: Optional[str] = None,
-                 num_threads: Optional[int] = None):
+                 num_threads: Optional[int] = None, run_id: Optional[str] = None):
         import torch
 
         import adt_core
@@ -145,7 +148,7 @@ class GeneratorWorker:
             dev_name += f" ({torch.cuda.get_device_name(0)})"
         self.ctx = RowContext(
             job_id=self.cfg.job_id, bundle=self.bundle.name, method=self.cfg.decode.method,
-            config_hash=self.cfg.config_hash(), actor_id=actor, node_id=node, hostname=socket.gethostname(),
+            config_hash=self.cfg.config_hash(), run_id=run_id, actor_id=actor, node_id=node, hostname=socket.gethostname(),
             device=dev_name,
         )
         log.info("worker ready: bundle %s on %s in %.1f s (actor %s)", self.bundle.name, dev_name,
@@ -161,33 +164,50 @@ class GeneratorWorker:
             problem = row_problem(prompt, seed, self.cfg.max_prompt_chars)
             if problem:
                 keep = seed if seed is not None and -(2**63) <= seed <= MAX_SEED else None  # fits the int64 column
-                out[i] = failed_row(self.ctx, pid, keep, problem)
+                out[i] = failed_row(self.ctx, pid, keep, problem, prompt=prompt)
             else:
                 todo.append((i, pid, prompt, seed if seed is not None else derived_seed(pid, self.cfg.seed)))
 
-        stored, baseline = 0, []
+        stored, baseline, samples = 0, [], []
+        sharded = self.cfg.output_format != "files"
         for j, res in self._stream([t[2] for t in todo], [t[3] for t in todo]):  # as images finish
             i, pid, prompt, seed = todo[j]
             if isinstance(res, BaseException):
-                out[i] = failed_row(self.ctx, pid, seed, _describe(res))
+                out[i] = failed_row(self.ctx, pid, seed, _describe(res), prompt=prompt)
                 continue
             try:
-                key = image_key(pid)
-                self.storage.put_bytes(key, encode_png(res.image), "image/png")  # image before its row
-                row = ok_row(self.ctx, pid, seed, key, res)
+                png = encode_png(res.image)
+                key = None if sharded else image_key(pid)
+                if key is not None:
+                    self.storage.put_bytes(key, png, "image/png")  # image before its row
+                row = ok_row(self.ctx, pid, seed, key, res, prompt=prompt)
                 row["generation_time_ms"] = res.stats.total_ms  # this image's share of its rounds
             except Exception as e:  # noqa: BLE001 - a storage or encoding error fails this row only
                 log.warning("prompt %s failed after generation: %s", pid, _describe(e))
-                out[i] = failed_row(self.ctx, pid, seed, _describe(e))
+                out[i] = failed_row(self.ctx, pid, seed, _describe(e), prompt=prompt)
                 continue
             if self.baseline is not None and in_baseline_sample(pid, self.cfg.baseline_fraction):
                 baseline.append((row, prompt, seed))
+            if sharded:
+                samples.append((i, Sample(sample_key(pid), png, row)))
             out[i] = row
             stored += 1
             if stored == 1 and len(todo) > 1:
                 self._maybe_fault()
         self._add_baselines(baseline)
+        if samples:
+            self._write_shards(samples, out)
         return to_table(out)
+
+    def _write_shards(self, samples: list[tuple[int, Sample]], out: list[Optional[dict]]) -> None:
+        """Shards of this call's images, before their rows leave (a failed write fails its rows)."""
+        try:
+            write_shards(self.storage, self.cfg.output_format, [s for _, s in samples], self.cfg.shard_size)
+        except Exception as e:  # noqa: BLE001 - the store refused: these rows have no image
+            log.warning("writing %d image(s) into shards failed: %s", len(samples), _describe(e))
+            for i, s in samples:
+                r = s.row
+                out[i] = failed_row(self.ctx, r["prompt_id"], r["seed"], _describe(e), prompt=r["prompt"])
 
     # ---- helpers --------------------------------------------------------------------------
     def _stream(self, prompts: list[str], seeds: list[int]) -> Iterator[tuple[int, Any]]:

@@ -49,7 +49,7 @@ def test_local_job_with_bad_rows(tmp_path, ray_session):
     assert {i for i, r in by_id.items() if r["status"] == "failed"} == {"null", "empty", "huge", "badseed"}
     assert by_id["huge"]["error"].startswith("invalid prompt: 5000 characters")
     assert len({r["actor_id"] for r in got if r["status"] == "ok"}) == 2  # both actors got work
-    images = sorted(p.name for p in (tmp_path / "out" / "images").iterdir())
+    images = sorted(p.name for p in (tmp_path / "out" / "images").iterdir() if p.name != "metadata.parquet")
     assert images == sorted(image_key(i).split("/")[1] for i, r in by_id.items() if r["status"] == "ok")
     assert not (tmp_path / "escape.png").exists()
     saved = json.loads((tmp_path / "out" / "job.json").read_text())
@@ -105,7 +105,8 @@ def test_s3_end_to_end(tmp_path, ray_session, s3):
     out = open_storage(f"s3://{s3.bucket}/runs/j1", StorageSettings(**settings))
     keys = out.list_keys()
     assert {"job.json", "summary.json"} <= set(keys)
-    assert sorted(k for k in keys if k.startswith("images/")) == sorted(image_key(r["prompt_id"]) for r in rows)
+    assert "images/metadata.parquet" in keys  # imagefolder metadata, on S3 too
+    assert sorted(k for k in keys if k.startswith("images/") and k.endswith(".png")) == sorted(image_key(r["prompt_id"]) for r in rows)
     tel = out.read_parquet("telemetry").to_pylist()
     assert Counter(r["prompt_id"] for r in tel) == Counter(r["prompt_id"] for r in rows)
     assert all(r["status"] == "ok" and out.exists(r["image_key"]) for r in tel)
@@ -119,7 +120,7 @@ def test_partial_run_then_resume_with_an_actor_killed_mid_batch(tmp_path, ray_se
     first = run_job(job(tmp_path, src, limit=3, num_actors=1), stream=io.StringIO())  # a partial run
     assert first.summary["ok"] == 3
     img_dir = tmp_path / "out" / "images"
-    before = {p.name: p.stat().st_mtime_ns for p in img_dir.iterdir()}
+    before = {p.name: p.stat().st_mtime_ns for p in img_dir.glob("*.png")}
     assert sorted(before) == ["p000.png", "p001.png", "p002.png"]
 
     err = io.StringIO()  # a second run into the same output must say resume
@@ -134,7 +135,7 @@ def test_partial_run_then_resume_with_an_actor_killed_mid_batch(tmp_path, ray_se
     assert marker.exists()  # the fault fired
     s = second.summary
     assert (second.exit_code, s["ok"], s["failed"], s["skipped"], s["job_ok"]) == (EXIT_OK, 5, 0, 3, 8)
-    after = {p.name: p.stat().st_mtime_ns for p in img_dir.iterdir()}
+    after = {p.name: p.stat().st_mtime_ns for p in img_dir.iterdir() if p.name != "metadata.parquet"}
     assert {k: after[k] for k in before} == before  # done images untouched
     assert sorted(after) == [f"{r['prompt_id']}.png" for r in rows]  # every image once, no temp leftovers
     runs = Counter(r["prompt_id"] for r in telemetry(tmp_path / "out"))

@@ -70,7 +70,7 @@ def test_summary_counts_and_text():
     s = summarize(to_table(rows), wall_time_s=2.0, skipped=5, total_input=9)
     assert (s["ok"], s["failed"], s["skipped"], s["processed"]) == (3, 1, 5, 4)
     assert s["images_per_second"] == 1.5
-    assert s["speedup"] == {"count": 1, "mean": 3.0, "median": 3.0}
+    assert s["speedup"] == {"count": 1, "mean": 3.0, "median": 3.0, "p10": 3.0, "p50": 3.0, "p90": 3.0}
     assert s["estimated_speedup"]["median"] == 2.5
     assert s["top_errors"] == [{"error": "invalid prompt: null", "count": 1}]
     text = format_summary(s, where={"images": "file:///x/images"})
@@ -102,3 +102,34 @@ def test_every_column_is_documented():
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "pipeline.md").read_text()
     assert [c for c in COLUMN_NAMES if f"| `{c}` |" not in doc] == []
+
+
+def test_rows_carry_caption_run_size_and_sampler():
+    ctx = RowContext(job_id="j", bundle="tiny", method="adt", config_hash="abc", run_id="run-1")
+    res = fake_result()
+    res.image = np.zeros((48, 32, 3), np.uint8)  # H 48, W 32
+    res.stats.sampler = "coupled"
+    row = ok_row(ctx, "p1", 7, "images/p1.png", res, prompt="a red apple")
+    assert (row["prompt"], row["run_id"], row["width"], row["height"], row["sampler"]) == ("a red apple", "run-1", 32, 48, "coupled")
+    bad = failed_row(ctx, "p2", 1, "boom", prompt="x")
+    assert bad["prompt"] == "x" and bad["run_id"] == "run-1" and bad["width"] is None
+    to_table([row, bad])  # fits the schema
+
+
+def test_summary_percentiles_and_steady_throughput():
+    t0 = dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)
+    rows = []
+    for i in range(10):  # actor a: first row at t0+10 s (start-up), then one per second
+        r = ok_row(CTX, f"a{i}", i, "k", fake_result(total_ms=100.0 * (i + 1)))
+        rows.append(r | {"actor_id": "a", "finished_at": t0 + dt.timedelta(seconds=10 + i)})
+    for i in range(5):  # actor b: up at t0+12 s
+        r = ok_row(CTX, f"b{i}", i, "k", fake_result(total_ms=100.0))
+        rows.append(r | {"actor_id": "b", "finished_at": t0 + dt.timedelta(seconds=12 + 2 * i)})
+    s = summarize(to_table(rows), wall_time_s=30.0)
+    g = s["generation_time_ms"]
+    assert g["p10"] < g["p50"] < g["p90"] and g["count"] == 15
+    assert s["mean_acceptance_length"]["p50"] is not None
+    # after t0+12 s: a's rows at 13..19 (7) and b's at 14..20 (4) = 11 rows in 8 s
+    assert s["steady_images_per_second"] == pytest.approx(11 / 8)
+    assert s["images_per_second"] == pytest.approx(15 / 30)
+    assert "steady 1.375" in format_summary(s)

@@ -1,0 +1,116 @@
+"""Running the actor pool: the Ray Data plan of one run, each returned batch of rows handed
+to the ledger before the next is taken.
+
+    read_parquet(prompts) -> keep the selected ids -> repartition so every actor gets work
+    -> map_batches(GeneratorWorker, ActorPoolStrategy(min, max), GPUs or CPU shares per
+    actor) -> iter_batches -> Ledger.add
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from typing import Callable, Optional
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline.cluster import ActorPlan, plan_actors
+from pipeline.config import JobConfig
+from pipeline.ledger import Ledger
+from pipeline.prompts import PromptSource
+from pipeline.retry import StorageUnavailable, is_transient
+from pipeline.storage import is_remote
+from pipeline.worker import FAULT_ENV, GeneratorWorker
+
+
+class JobInterrupted(BaseException):
+    """SIGTERM / SIGINT arrived (a BaseException, like KeyboardInterrupt, so that no
+    `except Exception` on the way swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _keep_ids(batch: pa.Table, ids: pa.Array) -> pa.Table:
+    return batch.filter(pc.is_in(batch["prompt_id"], value_set=ids))
+
+
+def _dataset_failure(err: BaseException, source: PromptSource) -> Optional[StorageUnavailable]:
+    """The StorageUnavailable behind a failed Ray Data execution, if a store caused it."""
+    seen: set[int] = set()
+    e: Optional[BaseException] = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, StorageUnavailable):
+            return e
+        if is_transient(e) or "storage unavailable" in str(e):
+            return StorageUnavailable(source.uri, f"reading prompts failed: {str(e).strip().splitlines()[-1][:300]}")
+        e = e.__cause__ or e.__context__
+    text = str(err)
+    if any(t in text for t in ("NETWORK_CONNECTION", "curlCode", "Connection refused")):
+        return StorageUnavailable(source.uri, f"reading prompts failed: {text.strip().splitlines()[-1][:300]}")
+    return None
+
+
+def execute(cfg: JobConfig, source: PromptSource, todo: list[str], ledger: Ledger, say: Callable[[str], None],
+            run_id: Optional[str] = None) -> ActorPlan:
+    """Run the actor pool over `todo`, handing every returned batch of rows to the ledger."""
+    import ray
+    from ray.data import ActorPoolStrategy, DataContext
+
+    plan = plan_actors(cfg, ray.cluster_resources(), num_prompts=len(todo))
+    rows = cfg.rows_per_call(plan.device)
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) > 1 and not is_remote(cfg.output):
+        say(f"WARNING: {len(nodes)} nodes but a local output path: images land on each worker's own disk")
+    for note in plan.notes:
+        say(note)
+    say(f"{len(todo)} prompt(s) to generate on {plan.num_actors} {plan.device} actor(s) "
+        f"({plan.num_gpus:g} GPU, {plan.num_cpus:g} CPU each), {rows} prompts per call, "
+        f"{cfg.decode.engine_batch(plan.device)} in flight per actor")
+
+    ctx = DataContext.get_current()
+    ctx.enable_progress_bars = cfg.progress
+    if ctx.wait_for_min_actors_s < 0:
+        ctx.wait_for_min_actors_s = 1800  # fail rather than hang when actors cannot be placed
+
+    ds = ray.data.read_parquet(source.paths, filesystem=source.filesystem).select_columns(source.columns)
+    if len(todo) < len(source.ids):
+        ds = ds.map_batches(_keep_ids, fn_kwargs={"ids": pa.array(todo, pa.string())}, batch_format="pyarrow")
+    # Small prompt files arrive as one block (one actor would get everything): split by rows.
+    per_block = max(1, min(rows, math.ceil(len(todo) / (plan.num_actors * 4))))
+    ds = ds.repartition(target_num_rows_per_block=per_block)
+    ds = ds.map_batches(
+        GeneratorWorker,
+        fn_constructor_kwargs={
+            "config": cfg.model_dump(mode="json"),
+            "device": plan.device,
+            "fault": os.environ.get(FAULT_ENV),
+            "num_threads": plan.threads,
+            "run_id": run_id,
+        },
+        batch_size=rows,
+        batch_format="pyarrow",
+        compute=ActorPoolStrategy(size=plan.num_actors),
+        num_gpus=plan.num_gpus or None,
+        num_cpus=plan.num_cpus,
+    )
+    batches = iter(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
+    try:
+        for batch in batches:
+            ledger.add(batch)  # durable before the next batch is taken
+    except (StorageUnavailable, JobInterrupted):
+        raise
+    except Exception as e:  # noqa: BLE001 - a failed execution: a store, or a bug
+        outage = _dataset_failure(e, source)
+        if outage is not None:
+            raise outage from e
+        raise
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()  # stops the pool when we leave early
+    return plan
