@@ -136,7 +136,6 @@ class BatchDecoder:
         if self.proposer is None:
             return {}
         if self.budget is not None and not self.budget.worth_drafting(len(active)):
-            self.budget.skip()
             return {}
         reqs = {}
         for b in active:
@@ -195,14 +194,18 @@ class BatchDecoder:
             gate = self.budget.level_gate(a) if self.budget is not None else None
             pools = self.proposer.propose(reqs, gate)
             if self.budget is not None:
-                m = self.budget.choose([p.scores for p in pools.values()], self._draft_model_ms(reqs, pools))
+                m = self.budget.choose([p.scores for p in pools.values()], g.timer.now() - ta)
+        if not pools:
+            done = self._ar_round(active, ta)
+            if self.budget is not None:
+                self.budget.observe_round(a, False, g.timer.now() - ta, a)
+            return done
         trees = {b: self._tree(b, pools.get(b), m) for b in active}
         tb = g.timer.now()
         res = self._verify_round(active, trees)
         tc = g.timer.now()
-        if self.budget is not None and reqs:
-            self.budget.observe(a, sum(r.num_accepted for r in res.values()),
-                                sum(t.size - 1 for t, _ in trees.values()), self._draft_model_ms(reqs, pools))
+        if self.budget is not None:
+            self.budget.observe_round(a, True, tc - ta, sum(r.num_accepted + 1 for r in res.values()))
         width = max(t.size for t, _ in trees.values())
         for b in active:
             g.record(self.slots[b].stats, trees[b][0], res[b], len(self.slots[b].committed) - res[b].num_accepted - 1,
@@ -210,12 +213,34 @@ class BatchDecoder:
                      drafted=b in reqs)
         return self._retire_done()
 
-    def _draft_model_ms(self, reqs, pools) -> float:
-        """Modelled draft cost of this round (the table's, not the clock's): levels x frontier."""
-        costs = self.g.cost_table()
-        levels = max((int(p.depths.max()) if p.depths.numel() else 0) for p in pools.values()) if pools else 0
-        width = sum(r.width or 1 for r in reqs.values())
-        return levels * costs.draft_cost(width)
+    def _ar_round(self, active: list[int], ta: float) -> list[Finished]:
+        """A plain batched AR step for every active slot (no drafting this round): one target
+        forward of each slot's root, one vectorised draw, each row's length + 1."""
+        g, dev, cap = self.g, self.g.device, self.capacity
+        slots = [self.slots[b] for b in active]
+        idx = torch.tensor(active, device=dev)
+        tok = torch.zeros(cap, 1, dtype=torch.long, device=dev)
+        pos = torch.zeros(cap, 1, dtype=torch.long, device=dev)
+        tok[idx, 0] = torch.tensor([s.committed[-1] for s in slots], device=dev)
+        pos[idx, 0] = torch.tensor([self.t + len(s.committed) - 1 for s in slots], device=dev)
+        rows = lambda x: torch.cat([x] * self.cfg_rows)  # noqa: E731  slots -> cache rows
+        start = self.cache.lengths.clone()
+        one = torch.ones(self.cache.rows, 1, 1, dtype=torch.bool, device=dev)
+        logits, hidden = g.bundle.target(rows(pos), self.cache.attn_mask(one), self.cache, tokens=rows(tok))
+        mixed = cfg_mix(logits[:, 0], g.sampling.cfg_scale)  # (cap, V)
+        seeds = torch.cat([s.seed_t for s in slots])
+        new = g.sample(mixed[idx], [s.gen for s in slots], seeds, [len(s.committed) for s in slots]).tolist()
+        grow = torch.zeros(cap, dtype=torch.long, device=dev)
+        grow[idx] = 1
+        self.cache.set_lengths(start + rows(grow))
+        share = (g.timer.now() - ta) / len(active)
+        for b, s, y in zip(active, slots, new):
+            index = len(s.committed)
+            s.committed.append(int(y))
+            if self.proposer is not None and len(s.committed) < self.n:
+                self.proposer.observe(b, hidden[self.rows(b), :1], [int(y)], self.t + index)
+            g.record(s.stats, None, None, index, 0, 0.0, share, slots=len(active), tokens=len(active), drafted=False)
+        return self._retire_done()
 
     def _verify_round(self, active: list[int], trees: dict[int, tuple[DraftTree, int]]) -> dict:
         """Steps 4-5: one padded target forward over all trees, then verify and commit per slot."""

@@ -5,11 +5,14 @@ cost(A) / A ms. A round that drafts pays the draft levels and a wider verify for
 forward is padded to the widest slot's tree, so keeping m nodes per slot costs
 cost(A (1 + m)) whatever the slots' individual trees. The budget, per round:
 
-1. whether to draft at all: the rate a drafted round is expected to reach (running means of
-   accepted tokens and nodes per slot, modelled draft cost) must beat the AR rate A / cost(A);
-   otherwise the round is a plain batched AR step (the drafter is not run; it catches up on
-   the skipped pairs in one forward when drafting resumes). Every `PROBE_EVERY` skipped rounds
-   one round drafts anyway, to refresh the means.
+1. whether to draft at all: the measured rate (committed tokens per ms of wall time) of the
+   recent drafted rounds must beat that of the recent plain AR steps at the same number of
+   slots; otherwise the round is a plain batched AR step (the drafter is not run; it catches
+   up on the skipped pairs in one forward when drafting resumes). Each choice is tried first,
+   and the losing one is tried again every `PROBE_EVERY` rounds, so a change of regime (a
+   draining batch, an easier part of the images) is noticed. This uses the clock because the
+   drafter's real cost per level (bookkeeping, scoring, tree building) is what decides; shapes
+   and outputs stay exact either way.
 2. levels: a level is built while its expected extra tokens (the summed path confidences of
    the nodes it expands, over all slots) are worth more than its cost at the AR token price.
 3. nodes: m maximises (A + sum over slots of their m best path confidences) /
@@ -17,8 +20,8 @@ cost(A (1 + m)) whatever the slots' individual trees. The budget, per round:
    from any slot raises the common width one step at a time, so this IS the greedy rule
    "add while the marginal tokens per marginal second beat the current rate". m = 0 is an AR step.
 
-Costs come from a measured `CostTable` (calibrate.py), so the decisions depend on the table,
-never on this run's timing; outputs never depend on them at all (coupled / greedy exactness).
+Levels and nodes come from a measured `CostTable` (calibrate.py); outputs never depend on any
+of these decisions (coupled / greedy exactness).
 """
 
 from __future__ import annotations
@@ -35,24 +38,30 @@ EMA = 0.2
 class BatchBudget:
     def __init__(self, costs: CostTable, cfg: AdaptiveConfig) -> None:
         self.costs, self.cfg = costs, cfg
-        self.accepted: float | None = None  # running mean accepted drafted tokens per slot-round
-        self.nodes: float | None = None  # running mean nodes per slot in drafted rounds
-        self.draft_ms: float | None = None  # running mean modelled draft ms per drafted round, per slot
-        self.skipped = 0
+        self.rate: dict[tuple[int, bool], float] = {}  # (slots, drafted) -> running mean tokens per ms
+        self.since_probe = 0
+        self._verify: dict[int, torch.Tensor] = {}
 
     def token_ms(self, a: int) -> float:
-        """Milliseconds per committed token of a plain AR step with `a` slots."""
+        """Modelled milliseconds per committed token of a plain AR step with `a` slots."""
         return self.costs.cost(a) / a
 
     def worth_drafting(self, a: int) -> bool:
-        if self.accepted is None or self.skipped >= PROBE_EVERY:
-            return True
-        m = max(self.nodes or 0.0, 1.0)
-        spec = a * (1 + self.accepted) / (self.costs.cost(a * (1 + m)) + a * (self.draft_ms or 0.0))
-        return spec > 1.0 / self.token_ms(a)
+        spec, ar = self.rate.get((a, True)), self.rate.get((a, False))
+        if spec is None or ar is None:
+            return spec is None  # try drafting first, then a plain step
+        better = spec > ar
+        if self.since_probe >= PROBE_EVERY:
+            return not better  # probe the losing choice
+        return better
 
-    def skip(self) -> None:
-        self.skipped += 1
+    def observe_round(self, a: int, drafted: bool, ms: float, tokens: int) -> None:
+        """A finished round with `a` slots: whether it drafted, its wall ms, tokens committed."""
+        key, r = (a, drafted), tokens / max(ms, 1e-6)
+        if self.rate.get((a, True)) is not None and self.rate.get((a, False)) is not None:
+            loser = self.rate[(a, True)] <= self.rate[(a, False)]
+            self.since_probe = 0 if drafted == loser else self.since_probe + 1
+        self.rate[key] = r if key not in self.rate else self.rate[key] + EMA * (r - self.rate[key])
 
     def level_gate(self, a: int):
         """gate(level, {slot: confidence of its frontier}, frontier tokens) -> build the level?"""
@@ -72,20 +81,13 @@ class BatchBudget:
             conf = s.double().exp().sort(descending=True).values.cpu()[:hi]
             c = torch.cat([torch.zeros(1, dtype=torch.float64), conf.cumsum(0)])
             cum += torch.cat([c, c[-1:].expand(hi + 1 - c.numel())])
-        best_m, best = 0, -1.0
-        for m in range(hi + 1):
-            rate = float(a + cum[m]) / (self.costs.cost(a * (1 + m)) + draft_ms)
-            if rate > best:
-                best_m, best = m, rate
-        return best_m
+        rate = (a + cum) / (self._verify_ms(a) + draft_ms)  # (hi + 1,) tokens per ms for m = 0 .. hi
+        return int(rate.argmax())
 
-    def observe(self, a: int, accepted: int, nodes: int, draft_ms: float) -> None:
-        """A drafted round with `a` slots: accepted tokens and nodes in total, modelled draft ms."""
-        self.skipped = 0
-        acc, nod, dms = accepted / a, nodes / a, draft_ms / a
-        if self.accepted is None:
-            self.accepted, self.nodes, self.draft_ms = acc, nod, dms
-        else:
-            self.accepted += EMA * (acc - self.accepted)
-            self.nodes += EMA * (nod - self.nodes)
-            self.draft_ms += EMA * (dms - self.draft_ms)
+    def _verify_ms(self, a: int) -> torch.Tensor:
+        """(n_max + 1,) modelled target forward ms with m = 0 .. n_max nodes per slot, `a` slots."""
+        if a not in self._verify:
+            ms = [self.costs.cost(a * (1 + m)) for m in range(self.cfg.n_max + 1)]
+            self._verify[a] = torch.tensor(ms, dtype=torch.float64)
+        return self._verify[a]
+

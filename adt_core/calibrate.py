@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -52,7 +51,7 @@ def _interp(table: dict[int, float], n: float) -> float:
 
 @dataclass(frozen=True)
 class CostTable:
-    ms: dict[int, float]  # total new tokens in one target forward -> median milliseconds
+    ms: dict[int, float]  # total new tokens in one target forward -> milliseconds (fastest of a few)
     draft_level_ms: float = 0.0  # one draft level of the calibration width for one slot
     draft: dict[int, float] = field(default_factory=dict)  # total frontier tokens of one draft level -> ms
 
@@ -91,7 +90,9 @@ def _split(total: int, slots: int) -> tuple[int, int]:
     return b, math.ceil(total / b)
 
 
-def _median_ms(fn, timer: Timer, repeats: int, warmup: int) -> float:
+def _fastest_ms(fn, timer: Timer, repeats: int, warmup: int) -> float:
+    """The fastest of `repeats` timed calls: other load on a shared machine only ever adds
+    time, so the minimum is the steadiest estimate of the call's own cost."""
     times = []
     for i in range(warmup + repeats):
         t0 = timer.now()
@@ -99,7 +100,7 @@ def _median_ms(fn, timer: Timer, repeats: int, warmup: int) -> float:
         t1 = timer.now()
         if i >= warmup:
             times.append(t1 - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 @torch.inference_mode()
@@ -112,7 +113,7 @@ def measure_target_cost(
     warmup: int = 2,
     slots: int = 1,
 ) -> CostTable:
-    """Median time of a target forward carrying each total in `sizes`, split over up to `slots`
+    """Time of a target forward carrying each total in `sizes`, split over up to `slots`
     slots (rows: 2 per slot with classifier-free guidance, else 1) on a cached prefix of
     `prefix_len` (default: captions plus half the image, a typical mid-image state)."""
     cfg = target.config
@@ -133,14 +134,14 @@ def measure_target_cost(
             target(pos, cache.attn_mask(causal(s)), cache, tokens=toks[:, prefix:])
             cache.truncate(prefix)
 
-        out[total] = _median_ms(step, timer, repeats, warmup)
+        out[total] = _fastest_ms(step, timer, repeats, warmup)
     return CostTable(out)
 
 
 @torch.inference_mode()
 def measure_draft_cost(drafter, head, cfg_scale: float, rows: int, sizes: tuple[int, ...], slots: int = 1,
                        prefix_len: int = 128, repeats: int = 5, warmup: int = 1) -> dict[int, float]:
-    """Median milliseconds of one draft level carrying each total of frontier tokens in `sizes`
+    """Milliseconds of one draft level carrying each total of frontier tokens in `sizes`
     (split over up to `slots` slots): a drafter forward under a mask on a cached prefix, the
     target's head, CFG mixing and the top-k of every node, as `TreeProposer` runs it."""
     from adt_core.sampling import cfg_mix
@@ -166,7 +167,7 @@ def measure_draft_cost(drafter, head, cfg_scale: float, rows: int, sizes: tuple[
             mixed = cfg_mix(head(feats), cfg_scale) if rows == 2 else head(feats)
             torch.topk(mixed.log_softmax(-1), min(10, mixed.shape[-1]), dim=-1)
 
-        out[total] = _median_ms(level, timer, repeats, warmup)
+        out[total] = _fastest_ms(level, timer, repeats, warmup)
     return out
 
 

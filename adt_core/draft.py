@@ -73,7 +73,7 @@ class DraftRequest:
 @dataclass
 class _Pending:
     tokens: list[int]
-    hidden: torch.Tensor  # (cfg rows, P, dim) target states at the positions before each token
+    hidden: list[torch.Tensor]  # pieces (cfg rows, P_i, dim): target states before each token
     first_position: int
 
 
@@ -106,12 +106,12 @@ class TreeProposer:
         hidden: (cfg rows, P, dim) target states at the positions BEFORE each token."""
         old = self._pending.get(slot)
         if old is None:
-            self._pending[slot] = _Pending(list(tokens), hidden, first_position)
+            self._pending[slot] = _Pending(list(tokens), [hidden], first_position)
         else:  # a round without drafting: the pairs wait for the next feed
             if old.first_position + len(old.tokens) != first_position:
                 raise RuntimeError("observe() pairs must follow the queued ones")
-            self._pending[slot] = _Pending(old.tokens + list(tokens), torch.cat([old.hidden, hidden], 1),
-                                           old.first_position)
+            old.tokens += tokens
+            old.hidden.append(hidden)
 
     def _feed(self, slots: list[int]) -> torch.Tensor:
         """Run the queued pairs of `slots` in one padded forward; returns (R, dim): each row's
@@ -132,7 +132,7 @@ class TreeProposer:
             p = len(pend.tokens)
             rows = self._rows(torch.tensor([s], device=dev))
             tok[rows, :p] = torch.tensor(pend.tokens, device=dev)
-            hid[rows, :p] = pend.hidden.to(dev, hid.dtype)
+            hid[rows, :p] = torch.cat(pend.hidden, 1).to(dev, hid.dtype)
             pos[rows] = (pend.first_position + torch.arange(p_max, device=dev)).clamp(max=len(self.drafter.rope) - 1)
             count[rows] = p
         before = self.cache.lengths.clone()
@@ -156,6 +156,7 @@ class TreeProposer:
         slots = sorted(requests)
         root_feat = self._feed(slots)  # (R, dim)
         start = self.cache.lengths.clone()
+        self._ragged_start = self.cache._uniform is None
         exp = {s: _Expansion(requests[s], dev) for s in slots}
         sel, score = self._score(root_feat[:, None], {s: 0 for s in slots}, requests)  # (B, 1, V) each
         for s in slots:
@@ -212,7 +213,8 @@ class TreeProposer:
             count[rows] = n
         before = self.cache.lengths.clone()
         cat = lambda x: torch.cat([x] * self.cfg_rows)  # noqa: E731  slots -> rows
-        feats = self.drafter(cat(tok), par, cat(pos), self.cache.attn_mask(cat(mask), since=start), self.cache)
+        since = start if self._ragged_start else int(start[0])  # rows of one length: the cheap mask
+        feats = self.drafter(cat(tok), par, cat(pos), self.cache.attn_mask(cat(mask), since=since), self.cache)
         self.forwards += 1
         self.cache.set_lengths(before + count)
         return feats

@@ -324,7 +324,7 @@ class Generator:
             self._relax = relaxation_for(codebook, self.config.lantern, self.device)
         return self._relax
 
-    def record(self, stats: StepStats, tree: DraftTree, res: VerifyResult, index: int, width: int,
+    def record(self, stats: StepStats, tree: DraftTree | None, res: VerifyResult | None, index: int, width: int,
                draft_ms: float, verify_ms: float, slots: int, tokens: int, drafted: bool) -> None:
         """Add one round to an image's stats (times are its shares of the round)."""
         stats.target_forwards += 1
@@ -332,6 +332,10 @@ class Generator:
         stats.draft_ms += draft_ms
         stats.verify_ms += verify_ms
         if self.config.method == "ar":
+            return
+        if tree is None:  # a plain AR step of a speculative method (nothing drafted)
+            stats.accepted_lengths.append(0)
+            stats.rounds.append(RoundTrace(index, 0, 0, 0, 0, draft_ms, verify_ms, slots, tokens))
             return
         nodes = tree.size - 1
         if drafted:

@@ -3,6 +3,8 @@
     python -m jobs.bench                       # methods x temperatures table on the default bundle
     python -m jobs.bench --samplers coupled,rejection --temperatures default,1.0   # the two samplers
     python -m jobs.bench --calibrate           # target forward cost at 1, 8, 16, 32, 64 new tokens
+    python -m jobs.bench --throughput --json docs/throughput.json --chart docs/img/throughput.png
+                                               # images/s of ar / eagle2 / adt at batch 1, 4, 16, 64
     python -m jobs.bench --bundle random --dim 512 --layers 6 --heads 8 --vocab 4096 --calibrate
 
 Speed is reported as ratios of medians measured in this run (never compared across runs).
@@ -23,6 +25,9 @@ import torch
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, LanternConfig, TreeConfig, load_bundle, random_bundle
 from adt_core.calibrate import SIZES, measure_draft_level, measure_target_cost
 from adt_core.models.bundle import Bundle
+
+DEFAULT_METHODS = "ar,static,eagle2,adt,adt+cost,adt+lantern,adt+cost+lantern"
+
 
 def method_specs(lantern: LanternConfig) -> dict[str, dict]:
     """The methods compared, as DecodeConfig fields (EAGLE-2 as used for visual AR: 5 levels,
@@ -65,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--bundle", default="emoji16", help="bundle name or directory, or 'random' for a random-init one")
     ap.add_argument("--prompts", default="examples/prompts.parquet", help="Parquet with prompt_id, prompt[, seed]")
     ap.add_argument("--limit", type=int, default=8, help="number of prompts to run")
-    ap.add_argument("--methods", default="ar,static,eagle2,adt,adt+cost,adt+lantern,adt+cost+lantern",
+    ap.add_argument("--methods", default=DEFAULT_METHODS,
                     help="comma list of ar, static, eagle2, adt, adt+cost, adt+lantern, adt+cost+lantern")
     ap.add_argument("--no-baseline", dest="baseline", action="store_false",
                     help="do not add 'ar' (acceptance statistics only: no speedups)")
@@ -83,6 +88,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--json", default=None, help="write the results as JSON here")
     ap.add_argument("--calibrate", action="store_true", help="only measure target forward cost vs new tokens")
+    ap.add_argument("--throughput", action="store_true",
+                    help="images/s per method and engine batch size (jobs/throughput.py); --methods defaults to ar,eagle2,adt")
+    ap.add_argument("--batches", default="1,4,16,64", help="--throughput: engine batch sizes")
+    ap.add_argument("--min-images", type=int, default=8, help="--throughput: images per cell at least (and the batch)")
+    ap.add_argument("--passes", type=int, default=2, choices=(1, 2), help="--throughput: passes per cell (best kept)")
+    ap.add_argument("--chart", default=None, metavar="PNG", help="--throughput: images/s vs batch chart")
     ap.add_argument("--repeats", type=int, default=7, help="timed repeats per size in --calibrate")
     g = ap.add_argument_group("random bundle (--bundle random)")
     g.add_argument("--dim", type=int, default=512)
@@ -135,7 +146,7 @@ def run_method(bundle, spec, temperature, prompts, seeds, args) -> dict:
     kw = dict(spec)
     if temperature is not None:
         kw["temperature"] = temperature
-    gen = Generator(bundle, DecodeConfig(device=args.device, dtype=args.dtype, **kw))
+    gen = Generator(bundle, DecodeConfig(device=args.device, dtype=args.dtype, batch_size=1, **kw))
     gen.generate(prompts[:1], seeds[:1])  # warm-up (and one-off costs: calibration, neighbour table)
     sampler = gen.sampler
     results, secs = [], []
@@ -255,6 +266,15 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     bundle = get_bundle(args)
+    if args.throughput:
+        from jobs.throughput import throughput
+
+        if args.methods == DEFAULT_METHODS:
+            args.methods = "ar,eagle2,adt"
+        prompts, seeds = read_prompts(args.prompts, 10**9)
+        result = throughput(bundle, args, prompts, seeds)
+        print(f"\nwrote {args.json}" if args.json else "")
+        return 0
     result = calibrate(bundle, args) if args.calibrate else bench(bundle, args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))

@@ -104,7 +104,7 @@ def losses(head, f: torch.Tensor, h: torch.Tensor, ce_weight: float) -> dict[str
     reg = F.smooth_l1_loss(f.float(), h)
     with torch.no_grad():
         p = head(h).softmax(-1)  # (R, n, V) target distribution
-    logq = head(f).log_softmax(-1)  # (R, n, V) draft distribution (gradient flows through f only)
+    logq = head(f.float()).log_softmax(-1)  # (R, n, V) draft distribution (gradient flows through f only)
     ce = -(p * logq).sum(-1).mean()
     agree = (logq.argmax(-1) == p.argmax(-1)).float().mean()
     return {"loss": reg + ce_weight * ce, "smooth_l1": reg, "soft_ce": ce, "top1_agree": agree}

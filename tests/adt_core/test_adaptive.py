@@ -96,15 +96,19 @@ def test_batch_budget_prefers_small_trees_when_verification_is_expensive():
     assert BatchBudget(flat, cfg).choose([conf] * 4, 1.0) == 64
 
 
-def test_batch_budget_falls_back_to_ar_and_probes():
-    linear = CostTable({1: 10.0, 4: 40.0, 64: 640.0}, draft={1: 5.0, 64: 5.0})
-    b = BatchBudget(linear, AdaptiveConfig())
-    assert b.worth_drafting(4)  # no history yet: draft once
-    b.observe(4, accepted=0, nodes=8, draft_ms=20.0)
-    assert not b.worth_drafting(4)
-    for _ in range(PROBE_EVERY):
-        b.skip()
-    assert b.worth_drafting(4)  # a probe round refreshes the estimate
+def test_batch_budget_drafts_only_while_it_measures_faster_and_probes():
+    b = BatchBudget(CostTable({1: 10.0, 4: 40.0, 64: 640.0}, draft={1: 5.0, 64: 5.0}), AdaptiveConfig())
+    assert b.worth_drafting(4)  # no history: draft once
+    b.observe_round(4, True, ms=50.0, tokens=6)  # 0.12 tokens/ms
+    assert not b.worth_drafting(4)  # then try a plain step
+    b.observe_round(4, False, ms=20.0, tokens=4)  # 0.2 tokens/ms: AR wins
+    decisions = []
+    for _ in range(2 * PROBE_EVERY + 2):
+        d = b.worth_drafting(4)
+        decisions.append(d)
+        b.observe_round(4, d, ms=50.0 if d else 20.0, tokens=6 if d else 4)
+    assert decisions.count(True) == 2 and decisions.count(False) == 2 * PROBE_EVERY  # probes only
+    assert b.worth_drafting(8)  # another slot count is measured anew
     gate = b.level_gate(4)  # a token is worth 10 ms: a level costing 5 ms needs 0.5 expected tokens
     assert gate(2, {0: 0.3, 1: 0.3}, 8) and not gate(2, {0: 0.2, 1: 0.2}, 8)
 

@@ -1,0 +1,178 @@
+"""Throughput benchmark (`python -m jobs.bench --throughput`): images/s per method and batch size.
+
+Every cell decodes the same prompts and seeds (the prompt file, cycled with new seeds when a
+batch needs more images) with one Generator holding `batch` images in flight, after a
+warm-up that also pays one-off costs (cost-table calibration, neighbour tables). The methods
+of one batch size run in turn, twice, the second time in reverse order, and each keeps its
+faster pass (load from other processes only ever slows a pass down). Reported per
+temperature: images/s, the ratio to `ar` at the same batch size and to the best `ar` cell,
+whether every image equals `ar`'s (greedy and coupled sampling promise it), mean acceptance
+length and nodes per round, and the compute floor: model FLOPs per image over the measured
+matmul FLOP/s of this device (what a perfectly efficient AR decoder could reach).
+
+Cells are written to the JSON file as they finish; a rerun with the same file skips them.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from adt_core import AdaptiveConfig, DecodeConfig, Generator, TreeConfig
+from adt_core.models.bundle import Bundle
+
+METHODS = {
+    "ar": dict(method="ar"),
+    "eagle2": dict(method="eagle2", tree=TreeConfig(depth=5, top_k=10, budget=58)),
+    "adt": dict(method="adt", adaptive=AdaptiveConfig(budget="cost")),
+}
+
+
+def matmul_flops(device: str, dim: int, dtype=torch.float32, rows: int = 2048, repeats: int = 5) -> float:
+    """Measured FLOP/s of a (rows x dim) @ (dim x 4 dim) matmul, the shape of a wide forward."""
+    a = torch.randn(rows, dim, device=device, dtype=dtype)
+    b = torch.randn(dim, 4 * dim, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for _ in range(2):
+        a @ b
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        times.append(time.perf_counter() - t0)
+    return 2 * rows * dim * 4 * dim / statistics.median(times)
+
+
+def flops_per_image(bundle: Bundle, cfg_rows: int) -> float:
+    """Forward FLOPs of AR decoding one image: 2 x weights (embeddings excluded) per token per
+    row, plus attention over the growing prefix (2 x 2 x dim per key, all layers)."""
+    t = bundle.target
+    c = t.config
+    weights = sum(p.numel() for n, p in t.named_parameters() if "tok_embeddings" not in n and "cls_embedding" not in n)
+    n = c.num_image_tokens
+    mean_keys = c.cls_token_num + n / 2
+    per_token = 2 * weights + 4 * c.dim * mean_keys * c.n_layer
+    return cfg_rows * n * per_token
+
+
+def workload(prompts: list[str], seeds: list[int], count: int) -> tuple[list[str], list[int]]:
+    ps = [prompts[i % len(prompts)] for i in range(count)]
+    ss = [seeds[i % len(seeds)] + 1000 * (i // len(seeds)) for i in range(count)]
+    return ps, ss
+
+
+def run_cell(bundle: Bundle, spec: dict, temperature, batch: int, prompts, seeds, device, dtype) -> dict:
+    kw = dict(spec, batch_size=batch, device=device, dtype=dtype)
+    if temperature is not None:
+        kw["temperature"] = temperature
+    gen = Generator(bundle, DecodeConfig(**kw))
+    gen.generate(prompts[: min(batch, 4)], seeds[: min(batch, 4)])  # warm-up + calibration
+    t0 = time.perf_counter()
+    res = gen.generate(prompts, seeds)
+    wall = time.perf_counter() - t0
+    st = [r.stats for r in res]
+    rounds = [x for s in st for x in s.rounds]
+    return {
+        "images": len(res), "wall_s": wall, "images_per_s": len(res) / wall,
+        "mean_acceptance_length": statistics.mean(s.mean_acceptance_length for s in st),
+        "nodes_per_round": statistics.mean(r.nodes for r in rounds) if rounds else 0.0,
+        "draft_rounds_share": (sum(1 for r in rounds if r.nodes) / len(rounds)) if rounds else 0.0,
+        "sampler": gen.sampler, "tokens": [r.tokens.flatten().tolist() for r in res],
+    }
+
+
+def throughput(bundle: Bundle, args, prompts: list[str], seeds: list[int]) -> dict:
+    batches = [int(b) for b in args.batches.split(",")]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip() in METHODS] or list(METHODS)
+    if "ar" not in methods:
+        methods.insert(0, "ar")
+    path = Path(args.json) if args.json else None
+    out = json.loads(path.read_text()) if path and path.exists() else {}
+    cfg_rows = 2 if bundle.sampling.use_cfg else 1
+    if "floor" not in out:
+        f = matmul_flops(args.device, bundle.target.config.dim)
+        fpi = flops_per_image(bundle, cfg_rows)
+        out.update({"bundle": bundle.name, "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
+                    "floor": {"matmul_flops": f, "flops_per_image": fpi, "images_per_s": f / fpi}, "cells": {}})
+    for temp_s in args.temperatures.split(","):
+        temp = None if temp_s.strip() == "default" else float(temp_s)
+        for b in batches:
+            ps, ss = workload(prompts, seeds, max(args.min_images, b))
+            todo = [m for m in methods if f"{temp_s.strip()}|{b}|{m}" not in out["cells"]]
+            runs: dict[str, list[dict]] = {m: [] for m in todo}
+            for order in (todo, todo[::-1])[: args.passes]:  # alternate the order: load drifts hit both
+                for m in order:
+                    runs[m].append(run_cell(bundle, METHODS[m], temp, b, ps, ss, args.device, args.dtype))
+            for m, cells in runs.items():
+                key = f"{temp_s.strip()}|{b}|{m}"
+                best = max(cells, key=lambda c: c["images_per_s"])  # other load only ever slows a run
+                best["passes"] = [c["images_per_s"] for c in cells]
+                out["cells"][key] = best
+                print(f"  {key}: {best['images_per_s']:.3f} images/s (passes {best['passes']})", flush=True)
+            if path:
+                path.write_text(json.dumps(out))
+    report(out, methods, batches, [t.strip() for t in args.temperatures.split(",")])
+    if path:
+        path.write_text(json.dumps(out))
+    if args.chart:
+        chart(out, methods, batches, args.chart)
+    return out
+
+
+def report(out: dict, methods, batches, temps) -> None:
+    cells, floor = out["cells"], out["floor"]["images_per_s"]
+    print(f"\nthroughput  bundle {out['bundle']}, {out['device']}/{out['dtype']}, {out['threads']} threads; "
+          f"compute floor {floor:.2f} images/s ({out['floor']['matmul_flops'] / 1e9:.1f} GFLOP/s matmul)")
+    for t in temps:
+        best_ar = max(cells[f"{t}|{b}|ar"]["images_per_s"] for b in batches)
+        print(f"\ntemperature={t}")
+        print(f"{'method':<8}{'batch':>6}{'images/s':>10}{'vs ar@batch':>12}{'vs best ar':>11}{'accept len':>11}"
+              f"{'nodes/rnd':>10}{'drafted':>8}  equals ar")
+        for b in batches:
+            ar = cells[f"{t}|{b}|ar"]
+            for m in methods:
+                c = cells[f"{t}|{b}|{m}"]
+                c["vs_ar_same_batch"] = c["images_per_s"] / ar["images_per_s"]
+                c["vs_best_ar"] = c["images_per_s"] / best_ar
+                exact = c["sampler"] in ("greedy", "coupled")
+                c["equals_ar"] = (c["tokens"] == ar["tokens"]) if exact else None
+                print(f"{m:<8}{b:>6}{c['images_per_s']:>10.3f}{c['vs_ar_same_batch']:>11.2f}x{c['vs_best_ar']:>10.2f}x"
+                      f"{c['mean_acceptance_length']:>11.2f}{c['nodes_per_round']:>10.1f}{c['draft_rounds_share']:>8.2f}"
+                      f"  {c['equals_ar'] if exact else '-'}")
+
+
+def chart(out: dict, methods, batches, png: str) -> None:
+    """images/s vs batch size per method (one panel per temperature), log-2 batch axis."""
+    from PIL import Image, ImageDraw
+
+    temps = sorted({k.split("|")[0] for k in out["cells"]})
+    colours = {"ar": (40, 40, 40), "eagle2": (30, 120, 200), "adt": (220, 90, 30)}
+    w, h, pad = 420, 300, 50
+    img = Image.new("RGB", (w * len(temps), h), "white")
+    d = ImageDraw.Draw(img)
+    top = max(c["images_per_s"] for c in out["cells"].values()) * 1.1
+    for ti, t in enumerate(temps):
+        x0 = ti * w
+        d.rectangle([x0 + pad, 20, x0 + w - 20, h - pad], outline=(0, 0, 0))
+        d.text((x0 + pad, 4), f"images/s vs batch, T={t}", fill=(0, 0, 0))
+        xs = {b: x0 + pad + (w - pad - 20) * i / max(1, len(batches) - 1) for i, b in enumerate(batches)}
+        for b, x in xs.items():
+            d.text((x - 6, h - pad + 6), str(b), fill=(0, 0, 0))
+        for v in (0.25, 0.5, 0.75, 1.0):
+            y = h - pad - (h - pad - 20) * v
+            d.text((x0 + 4, y - 5), f"{top * v:.1f}", fill=(0, 0, 0))
+        for mi, m in enumerate(methods):
+            pts = [(xs[b], h - pad - (h - pad - 20) * out["cells"][f"{t}|{b}|{m}"]["images_per_s"] / top)
+                   for b in batches if f"{t}|{b}|{m}" in out["cells"]]
+            d.line(pts, fill=colours.get(m, (0, 150, 0)), width=2)
+            for x, y in pts:
+                d.ellipse([x - 3, y - 3, x + 3, y + 3], fill=colours.get(m, (0, 150, 0)))
+            d.text((x0 + pad + 8, 26 + 12 * mi), m, fill=colours.get(m, (0, 150, 0)))
+    img.save(png)
+    print(f"wrote {png}")
