@@ -1,4 +1,5 @@
-"""Per-image maps of the draft-tree trace, drawn with Pillow (no plotting dependency).
+"""Per-image maps of the draft-tree trace, drawn with Pillow (no plotting dependency; the
+report's matplotlib charts reuse `trace_maps`). Each map tile has its colour bar below it.
 
 A round is recorded at the raster index of its first drafted token and commits tokens
 index .. index + accepted (accepted drafted tokens + the bonus). Each committed cell takes the
@@ -48,15 +49,21 @@ def heatmap_panel(image: np.ndarray, maps: dict[str, np.ndarray], bounds: dict[s
     for k in ("depth", "width", "accepted"):
         lo, hi = bounds[k]
         tiles.append(Image.fromarray(colorize(maps[k], lo, hi)).resize(tiles[0].size, Image.NEAREST))
-    pad, top = 6, 16
+    pad, top, bar = 6, 16, 22  # bar: colour ramp (8 px) + its lo / hi labels
     tw, th = tiles[0].size
-    panel = Image.new("RGB", (len(tiles) * (tw + pad) + pad, th + top + pad), "white")
+    panel = Image.new("RGB", (len(tiles) * (tw + pad) + pad, th + top + bar + pad), "white")
     draw = ImageDraw.Draw(panel)
     labels = [title[:24], "depth d", "width k", "accepted + 1"]
+    ramp = np.linspace(0.0, 1.0, tw)[None, :].repeat(8, axis=0)
     for j, (tile, label) in enumerate(zip(tiles, labels)):
         x = pad + j * (tw + pad)
         panel.paste(tile, (x, top))
         draw.text((x, 2), label, fill="black")
+        if j:
+            lo, hi = bounds[("depth", "width", "accepted")[j - 1]]
+            panel.paste(Image.fromarray(colorize(ramp, 0.0, 1.0)), (x, top + th + 3))
+            draw.text((x, top + th + 12), f"{lo:g}", fill="black")
+            draw.text((x + tw - 6 * len(f"{hi:g}"), top + th + 12), f"{hi:g}", fill="black")
     return panel
 
 
