@@ -31,7 +31,7 @@ import torch
 from adt_core.calibrate import CostTable
 from adt_core.config import AdaptiveConfig
 
-PROBE_EVERY = 16
+PROBE_EVERY = 32
 EMA = 0.2
 
 

@@ -6,8 +6,9 @@ Run on a GPU machine: `python -m pytest -q tests/gpu -s` (prints the measured fi
 import pytest
 import torch
 
-from adt_core import AdaptiveConfig, DecodeConfig, Generator, TreeConfig, random_bundle
+from adt_core import AdaptiveConfig, DecodeConfig, Generator, TreeConfig, load_bundle, random_bundle
 from adt_core.calibrate import measure_target_cost
+from adt_core.noise import uniforms
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -66,3 +67,42 @@ def test_cuda_emoji16_side_by_side(tmp_path):
     assert all(row["equals_ar"] for row in table.values())
     assert bench.main(["--device", "cuda", "--dtype", "bfloat16", "--limit", "4",
                        "--methods", "ar,eagle2,adt,adt+cost", "--temperatures", "default"]) == 0
+
+
+def test_cuda_noise_has_the_cpu_bits():
+    seeds = torch.tensor([0, 5, 2**62 + 7])
+    pos = torch.tensor([[0, 1, 255], [3, 3, 9], [1023, 0, 7]])
+    assert torch.equal(uniforms(seeds, pos, 16384), uniforms(seeds.cuda(), pos.cuda(), 16384).cpu())
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_cuda_fp32_coupled_batched_equals_ar_alone(batch):
+    bundle = random_bundle(seed=4, vocab=64, grid=(6, 5))
+    kw = dict(device="cuda", temperature=1.0, top_k=20, cfg_scale=3.0, dtype="float32")
+    alone = [Generator(bundle, DecodeConfig(method="ar", batch_size=1, **kw)).generate([p], [i])[0].tokens
+             for i, p in enumerate(PROMPTS)]
+    for method in ("ar", "eagle2", "adt"):
+        res = Generator(bundle, DecodeConfig(method=method, batch_size=batch, **kw)).generate(PROMPTS, [0, 1, 2, 3])
+        assert all(torch.equal(r.tokens, a) for r, a in zip(res, alone)), method
+
+
+def test_cuda_emoji16_bf16_coupled_agreement_report():
+    """Measured, not asserted: how often bf16 coupled speculative output equals bf16 coupled AR."""
+    bundle = load_bundle("emoji16")
+    prompts = [f"{w} emoji" for w in ("red heart", "smiling face", "pizza", "cat", "tree", "star", "car", "dog")]
+    kw = dict(device="cuda", dtype="bfloat16", batch_size=8)
+    ref = torch.stack([r.tokens for r in Generator(bundle, DecodeConfig(method="ar", **kw)).generate(prompts, list(range(8)))])
+    for method in ("eagle2", "adt"):
+        out = torch.stack([r.tokens for r in Generator(bundle, DecodeConfig(method=method, **kw)).generate(prompts, list(range(8)))])
+        same = (ref == out).flatten(1)
+        first = [int((~r).nonzero()[0]) if not bool(r.all()) else None for r in same]
+        print(f"\nbf16 cuda emoji16 coupled {method} vs ar: token agreement {same.float().mean():.4f}, "
+              f"identical images {int(same.all(1).sum())}/8, first divergence at {first}")
+
+
+def test_cuda_throughput_report(tmp_path):
+    """`jobs.bench --throughput` on CUDA (printed for the closing note)."""
+    from jobs import bench
+
+    assert bench.main(["--device", "cuda", "--throughput", "--batches", "1,4,16,64", "--passes", "1",
+                       "--temperatures", "0,default", "--json", str(tmp_path / "tp.json")]) == 0
