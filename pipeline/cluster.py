@@ -6,8 +6,16 @@ the actor pool is placed on it.
 - `connect`: host:port targets are probed with a TCP connect first (`ray_connect_timeout_s`)
   and ray.init runs under the same deadline (an alarm), so a wrong address fails in seconds
   with exit code 3 instead of hanging.
+- `plan_gpu_demand` / `wait_for_gpus`: a cluster whose GPU nodes start at zero (the launcher's
+  `min_workers: 0`, KubeRay `minReplicas: 0`) has no GPUs when the job starts, and nothing
+  asks for one until an actor does. When the job wants GPU actors the cluster does not have
+  yet, the driver asks the autoscaler for them (`ray.autoscaler.sdk.request_resources`,
+  one bundle per actor) and waits up to `gpu_wait_s` for them to join; only then does
+  `device: auto` fall back to CPU actors or `device: cuda` fail (exit 3).
 - `plan_actors`: GPUs or CPU shares per actor, capped to what the cluster and the number of
-  prompts can use; a CPU share never below MIN_CPUS_PER_ACTOR.
+  prompts can use; a CPU share never below MIN_CPUS_PER_ACTOR. On a cluster that can grow,
+  a GPU pool is autoscaling: it starts with the actors that fit and grows to the number
+  asked for as GPU nodes join (`ActorPoolStrategy(min_size, max_size)`).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 from urllib.parse import urlparse
@@ -23,6 +32,8 @@ from urllib.parse import urlparse
 from pipeline.config import MIN_CPUS_PER_ACTOR, JobConfig
 
 LOCAL_OBJECT_STORE_BYTES = 1024**3
+DEFAULT_GPU_WAIT_S = 600.0  # on a cluster: a cold GPU node (instance + image pull + ray start) takes minutes
+GPU_POLL_S = 5.0
 
 
 class ClusterUnavailable(Exception):
@@ -39,9 +50,95 @@ class ActorPlan:
     num_cpus: float  # per actor
     threads: int  # torch intra-op threads per actor
     notes: list[str] = field(default_factory=list)
+    max_actors: int = 0  # the pool may grow to this as GPU nodes join (0: num_actors, a fixed pool)
+
+    @property
+    def pool_max(self) -> int:
+        return max(self.num_actors, self.max_actors)
 
 
-def plan_actors(cfg: JobConfig, resources: dict[str, float], num_prompts: Optional[int] = None) -> ActorPlan:
+@dataclass(frozen=True)
+class GpuDemand:
+    """GPUs the job asks the autoscaler for, and how long it waits for them."""
+
+    actors: int
+    per_actor: float
+    wait_s: float
+    resource: str = "GPU"  # tests stand a custom resource in for GPUs
+
+    @property
+    def needed(self) -> float:
+        return self.actors * self.per_actor
+
+    def bundles(self) -> list[dict[str, float]]:
+        return [{self.resource: self.per_actor} for _ in range(self.actors)]
+
+
+def gpu_wait_s(cfg: JobConfig, address: str, max_resources: Optional[dict[str, float]] = None,
+               resource: str = "GPU") -> float:
+    """cfg.gpu_wait_s when set. Else: 0 on a new local Ray (no autoscaler); on a cluster whose
+    autoscaler reported its node types (`max_resources`), DEFAULT_GPU_WAIT_S when they can
+    add GPUs and 0 when none can; on a cluster without that report, DEFAULT_GPU_WAIT_S for
+    device cuda and 0 for auto (a CPU cluster must not wait for GPUs that never come)."""
+    if cfg.gpu_wait_s is not None:
+        return cfg.gpu_wait_s
+    if address == "local":
+        return 0.0
+    if max_resources is not None:
+        return DEFAULT_GPU_WAIT_S if float(max_resources.get(resource, 0) or 0) > 0 else 0.0
+    return DEFAULT_GPU_WAIT_S if cfg.device == "cuda" else 0.0
+
+
+def plan_gpu_demand(cfg: JobConfig, resources: dict[str, float], num_prompts: Optional[int], address: str,
+                    max_resources: Optional[dict[str, float]] = None, resource: str = "GPU") -> Optional[GpuDemand]:
+    """The GPUs to ask for before planning the pool; None when the job runs on CPUs, the
+    GPUs are already there, or it must not wait (gpu_wait_s 0)."""
+    if cfg.device == "cpu":
+        return None
+    n = cfg.num_actors if not num_prompts else min(cfg.num_actors, num_prompts)
+    if float(resources.get(resource, 0.0)) >= n * cfg.gpus_per_actor:
+        return None
+    wait = gpu_wait_s(cfg, address, max_resources, resource)
+    return GpuDemand(n, cfg.gpus_per_actor, wait, resource) if wait > 0 else None
+
+
+def autoscaler_max_resources() -> Optional[dict[str, float]]:
+    """What the autoscaler said the cluster can grow to (per resource), or None when no
+    autoscaler reported its node types (a local Ray, a cluster started by hand)."""
+    try:
+        from ray._private.state import state
+
+        return state.get_max_resources_from_cluster_config()
+    except Exception:  # noqa: BLE001 - a private API: treat any failure as "not reported"
+        return None
+
+
+def wait_for_gpus(demand: GpuDemand, say: Callable[[str], None], resources_fn: Callable[[], dict[str, float]],
+                  request_fn: Callable[..., None], clock: Callable[[], float] = time.monotonic,
+                  sleep: Callable[[float], None] = time.sleep, poll_s: float = GPU_POLL_S) -> dict[str, float]:
+    """Ask for `demand` (request_fn(bundles=...), i.e. request_resources) and poll the
+    cluster until every actor's GPUs are there or `demand.wait_s` passed; returns the
+    resources seen last (the pool then takes what fits, and grows as more nodes join)."""
+    request_fn(bundles=demand.bundles())
+    say(f"asking the autoscaler for {demand.actors} x {demand.per_actor:g} {demand.resource}; "
+        f"waiting up to {demand.wait_s:g} s (gpu_wait_s) for them to join")
+    start = clock()
+    deadline = start + demand.wait_s
+    while True:
+        res = resources_fn()
+        have = float(res.get(demand.resource, 0.0))
+        if have >= demand.needed:
+            say(f"{have:g} {demand.resource} in the cluster after {clock() - start:.0f} s")
+            return res
+        now = clock()
+        if now >= deadline:
+            say(f"waited {demand.wait_s:g} s: {have:g} of {demand.needed:g} {demand.resource} joined")
+            return res
+        sleep(max(0.0, min(poll_s, deadline - now)))
+
+
+def plan_actors(cfg: JobConfig, resources: dict[str, float], num_prompts: Optional[int] = None,
+                can_grow: bool = False, waited_s: float = 0.0) -> ActorPlan:
     """Decide GPUs/CPUs per actor from the cluster's resources, so the pool can always be
     scheduled, read/write tasks keep a CPU (the 2-core deadlock in ray_notes), no actor gets
     less than MIN_CPUS_PER_ACTOR, and no actor is started without a prompt to work on."""
@@ -50,7 +147,9 @@ def plan_actors(cfg: JobConfig, resources: dict[str, float], num_prompts: Option
     n = cfg.num_actors
     notes: list[str] = []
     if cfg.device == "cuda" and gpus < cfg.gpus_per_actor:
-        raise ClusterUnavailable(f"device 'cuda' requested but the cluster has {gpus:g} GPU(s) "
+        waited = (f" after waiting {waited_s:g} s for the autoscaler (--gpu-wait-s)" if waited_s
+                  else " (--gpu-wait-s waits for an autoscaler to add GPU nodes)")
+        raise ClusterUnavailable(f"device 'cuda' requested but the cluster has {gpus:g} GPU(s){waited} "
                                  f"(need {cfg.gpus_per_actor:g} per actor); use --device auto or cpu")
     if cpus <= 0:
         raise ClusterUnavailable("the Ray cluster reports no CPUs")
@@ -59,11 +158,16 @@ def plan_actors(cfg: JobConfig, resources: dict[str, float], num_prompts: Option
         n = num_prompts
     if cfg.device != "cpu" and gpus >= cfg.gpus_per_actor:
         fit = int(gpus // cfg.gpus_per_actor)
+        grow_to = 0
         if fit < n:
-            notes.append(f"{n} actors requested but {gpus:g} GPUs fit {fit}: running {fit}")
+            if can_grow:
+                notes.append(f"{n} actors requested, {gpus:g} GPUs fit {fit} now: the pool grows as GPU nodes join")
+                grow_to = n
+            else:
+                notes.append(f"{n} actors requested but {gpus:g} GPUs fit {fit}: running {fit}")
             n = fit
         per_cpu = min(1.0, max(0.1, (cpus - 1.0) / n)) if cpus > 1 else cpus / (2 * n)
-        return ActorPlan("cuda", n, cfg.gpus_per_actor, per_cpu, 1, notes)
+        return ActorPlan("cuda", n, cfg.gpus_per_actor, per_cpu, 1, notes, max_actors=grow_to)
     spare = 1.0 if cpus >= 2 else cpus / 2  # left for read, repartition and write tasks
     budget = cpus - spare
     if cfg.cpus_per_actor is not None:
@@ -84,7 +188,8 @@ def plan_actors(cfg: JobConfig, resources: dict[str, float], num_prompts: Option
         per_cpu = budget / n
     threads = max(1, int(per_cpu))
     if cfg.device == "auto":
-        notes.insert(0, f"no GPUs in the cluster: running {n} CPU actor(s)")
+        waited = f" after waiting {waited_s:g} s for the autoscaler" if waited_s else ""
+        notes.insert(0, f"no GPUs in the cluster{waited}: running {n} CPU actor(s)")
     return ActorPlan("cpu", n, 0.0, round(per_cpu, 4), threads, notes)
 
 

@@ -197,6 +197,12 @@ class JobConfig(_Strict):
         None, description="Ray cluster address (host:port, ray://host:port, auto = a cluster started with ray start on "
         "this machine, local = a new in-process Ray); none = RAY_ADDRESS if set (ray job submit), else local.",
     )
+    gpu_wait_s: Optional[float] = Field(
+        None, ge=0.0, le=86400.0, allow_inf_nan=False,
+        description="When the cluster has fewer GPUs than the actors need (GPU nodes autoscaled from zero): ask the "
+        "autoscaler for them and wait up to this many seconds before device auto falls back to CPU actors or device "
+        "cuda fails (exit 3); none = 0 on a new local Ray, 600 on a cluster.",
+    )
     ray_connect_timeout_s: float = Field(
         30.0, gt=0.0, le=3600.0, description="Seconds to wait for the Ray cluster at ray_address before exit code 3."
     )

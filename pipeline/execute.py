@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.cluster import ActorPlan, plan_actors
+from pipeline.cluster import ActorPlan, autoscaler_max_resources, plan_actors, plan_gpu_demand, ray_target, wait_for_gpus
 from pipeline.config import JobConfig
 from pipeline.ledger import Ledger
 from pipeline.prompts import PromptSource
@@ -59,9 +59,27 @@ def execute(cfg: JobConfig, source: PromptSource, todo: list[str], ledger: Ledge
             run_id: Optional[str] = None) -> ActorPlan:
     """Run the actor pool over `todo`, handing every returned batch of rows to the ledger."""
     import ray
+    from ray.autoscaler.sdk import request_resources
+
+    address = ray_target(cfg)
+    resources = ray.cluster_resources()
+    demand = plan_gpu_demand(cfg, resources, len(todo), address, autoscaler_max_resources())
+    if demand is not None:
+        resources = wait_for_gpus(demand, say, ray.cluster_resources, request_resources)
+    try:
+        return _run_pool(cfg, source, todo, ledger, say, run_id, resources, address,
+                         demand.wait_s if demand else 0.0)
+    finally:
+        if demand is not None:
+            request_resources(bundles=[])  # the job's demand ends with it: the autoscaler may scale down
+
+
+def _run_pool(cfg: JobConfig, source: PromptSource, todo: list[str], ledger: Ledger, say: Callable[[str], None],
+              run_id: Optional[str], resources: dict[str, float], address: str, waited_s: float) -> ActorPlan:
+    import ray
     from ray.data import ActorPoolStrategy, DataContext
 
-    plan = plan_actors(cfg, ray.cluster_resources(), num_prompts=len(todo))
+    plan = plan_actors(cfg, resources, num_prompts=len(todo), can_grow=address != "local", waited_s=waited_s)
     rows = cfg.rows_per_call(plan.device)
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) > 1 and not is_remote(cfg.output):
@@ -94,7 +112,8 @@ def execute(cfg: JobConfig, source: PromptSource, todo: list[str], ledger: Ledge
         },
         batch_size=rows,
         batch_format="pyarrow",
-        compute=ActorPoolStrategy(size=plan.num_actors),
+        compute=(ActorPoolStrategy(min_size=plan.num_actors, max_size=plan.pool_max) if plan.pool_max > plan.num_actors
+                 else ActorPoolStrategy(size=plan.num_actors)),
         num_gpus=plan.num_gpus or None,
         num_cpus=plan.num_cpus,
     )
