@@ -25,7 +25,7 @@ def test_manifests_parse():
     job_yaml = yaml.safe_load(docs[0]["data"]["job.yaml"])
     from pipeline.config import build_config
 
-    assert build_config(job_yaml).num_actors == docs[1]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"]
+    assert build_config(job_yaml).num_actors == docs[1]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["maxReplicas"]
     assert "jobs.generate" in docs[1]["spec"]["entrypoint"]
     cluster = yaml.safe_load((INFRA / "ray-cluster.yaml").read_text())
     assert cluster["available_node_types"]["gpu_worker"]["resources"]["GPU"] == 1
