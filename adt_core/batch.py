@@ -20,6 +20,7 @@ Time per image: each round's wall time is shared equally by the images that took
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from adt_core.budget import BatchBudget
 from adt_core.draft import DraftRequest, TreeProposer
 from adt_core.sampling import cfg_mix
 from adt_core.tree import DraftTree, rerank, static_children
+
+if TYPE_CHECKING:
+    from adt_core.engine import StepStats
 
 
 @dataclass
@@ -41,7 +45,7 @@ class Slot:
     gen: torch.Generator  # the rejection sampler's randomness (unused by the coupled sampler)
     committed: list[int]  # image tokens so far
     ctrl: AdaptiveController | None
-    stats: "object"  # engine.StepStats
+    stats: "StepStats"
 
 
 @dataclass
@@ -50,13 +54,11 @@ class Finished:
     prompt: str
     seed: int
     tokens: torch.Tensor  # (num_image_tokens,) long
-    stats: "object"
+    stats: "StepStats"
 
 
 class BatchDecoder:
     def __init__(self, gen, capacity: int) -> None:
-        from adt_core.engine import StepStats  # noqa: F401  (circular at import time)
-
         self.g, self.capacity = gen, capacity
         b, c = gen.bundle, gen.config
         self.cfg_rows, self.n = gen.cfg_rows, gen.num_tokens
