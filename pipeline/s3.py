@@ -69,6 +69,20 @@ def s3_client(opts: S3Options):
     return _boto3_session(opts).client("s3", endpoint_url=opts.endpoint_url, region_name=opts.region, config=cfg)
 
 
+def model_s3_client(settings: "StorageSettings | None" = None):
+    """The boto3 client for model checkpoints named by a bundle manifest: the same endpoint,
+    region, profile and per-request timeout as the job's output store (--storage.*), and
+    botocore's standard retries sized to the same retry budget (a download is one long
+    request that the budget cannot cut, so attempts = budget / timeout, at least 3)."""
+    from botocore.config import Config
+
+    opts = S3Options.resolve(settings)
+    attempts = max(3, int(opts.retry_budget_s // max(opts.timeout_s, 1.0)))
+    cfg = Config(retries={"max_attempts": attempts, "mode": "standard"}, connect_timeout=opts.timeout_s,
+                 read_timeout=opts.timeout_s, s3={"addressing_style": "path"} if opts.endpoint_url else {})
+    return _boto3_session(opts).client("s3", endpoint_url=opts.endpoint_url, region_name=opts.region, config=cfg)
+
+
 def s3_arrow_fs(opts: S3Options) -> pafs.S3FileSystem:
     """pyarrow's S3 filesystem with the same endpoint, region and credentials as boto3."""
     kwargs: dict = {"region": opts.region, "connect_timeout": opts.timeout_s, "request_timeout": opts.timeout_s,

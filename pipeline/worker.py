@@ -36,7 +36,7 @@ from typing import Any, Iterator, Optional
 
 import pyarrow as pa
 
-from pipeline.config import JobConfig
+from pipeline.config import JobConfig, StorageSettings
 from pipeline.prompts import MAX_SEED, derived_seed, row_problem
 from pipeline.shards import Sample, sample_key, write_shards
 from pipeline.storage import image_key, open_storage
@@ -51,14 +51,20 @@ class WorkerDied(RuntimeError):
     """An unrecoverable engine failure outside Ray (inside Ray the process exits instead)."""
 
 
-def load_bundle_spec(spec: str):
+def load_bundle_spec(spec: str, storage: Optional["StorageSettings"] = None):
     """A bundle from its spec: 'random' / 'random:<seed>' (tiny random weights, for tests
-    and smoke runs), an embedded bundle name, or a bundle directory."""
+    and smoke runs), an embedded bundle name, a bundle directory, or a manifest whose s3://
+    checkpoints are read with the job's storage settings (one configuration for both)."""
     import adt_core
+    from adt_core.models.manifest import is_manifest_path, load_manifest_bundle
 
     if spec == "random" or spec.startswith("random:"):
         seed = int(spec.partition(":")[2] or 0)
         return adt_core.random_bundle(seed=seed)
+    if is_manifest_path(spec):
+        from pipeline.s3 import model_s3_client
+
+        return load_manifest_bundle(spec, s3_client_factory=lambda: model_s3_client(storage))
     return adt_core.load_bundle(spec)
 
 
@@ -136,7 +142,7 @@ class GeneratorWorker:
         self.device = resolve_device(device or self.cfg.device)
         self.storage = open_storage(self.cfg.output, self.cfg.storage)
         t0 = time.perf_counter()
-        self.bundle = load_bundle_spec(self.cfg.bundle)
+        self.bundle = load_bundle_spec(self.cfg.bundle, self.cfg.storage)
         decode = self.cfg.decode.engine_dict(self.device)
         self.generator = adt_core.Generator(self.bundle, adt_core.DecodeConfig.from_dict(decode))
         self.baseline = None

@@ -10,12 +10,17 @@
 
 A component is a path string or a mapping with `path` and optional `sha256` (a hex string for
 a file, or {relative file: hex} for a directory). Paths are local (relative to the manifest's
-folder; ~ and $VARS expanded) or s3://bucket/key (a key ending in "/" or naming no object is a
-directory prefix). S3 objects are downloaded once into a local cache (`cache_dir`, else
-$ADT_MODEL_CACHE, else ~/.cache/adt_core/models) with a progress bar, checked against the
+folder; ~ and $VARS expanded), s3://bucket/key (a key ending in "/" or naming no object is a
+directory prefix) or hf://<owner>/<repo>[@<revision>]/<path in the repo> (a Hugging Face Hub
+repository; an empty path or one ending in "/" is a directory). Remote files are downloaded
+once into a local cache (`cache_dir`, else $ADT_MODEL_CACHE, else ~/.cache/adt_core/models;
+S3 under s3/<bucket>/, the Hub under hf/<owner>/<repo>/<revision>/), checked against the
 sha256 when one is given, and reused afterwards without network calls. boto3 follows the
 standard AWS environment (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, AWS_REGION, credentials
-chain); nothing about credentials is logged.
+chain) unless the caller passes its own client factory (`s3_client_factory`: the pipeline
+passes one built from the job's --storage.* settings, so model and output storage share one
+configuration); the Hub through huggingface_hub (HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE).
+Nothing about credentials is logged.
 
 `load_manifest_bundle(path)` (also reached through `adt_core.load_bundle(path)`) returns a
 `Bundle`. `plan_memory` / `bundle_memory` size what one GPU needs: bytes per component and the
@@ -35,7 +40,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -100,7 +105,7 @@ def _expand(value: str, base: Path, what: str) -> str:
     unset = re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", s)
     if unset:
         raise ManifestError(f"{what}: environment variable(s) {', '.join(sorted(set(unset)))} not set in {value!r}")
-    if is_s3(s) or Path(s).is_absolute():
+    if is_s3(s) or is_hf(s) or Path(s).is_absolute():
         return s
     return str((base / s).resolve())
 
@@ -180,10 +185,11 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
     )
 
 
-def load_manifest_bundle(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Bundle:
-    """Read a manifest, fetch what lives in S3 into the local cache, and build the Bundle."""
+def load_manifest_bundle(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
+                         s3_client_factory: Callable[[], Any] | None = None) -> Bundle:
+    """Read a manifest, fetch what lives in S3 or on the Hub into the local cache, and build the Bundle."""
     m = read_manifest(path)
-    cache = LocalCache(cache_dir or m.cache_dir)
+    cache = LocalCache(cache_dir or m.cache_dir, s3_client_factory)
     dtype = DTYPES[m.dtype]
     t0 = time.perf_counter()
     target = load_llamagen_gpt(cache.fetch(m.target.path, m.target.sha256), grid=m.grid,
@@ -211,6 +217,22 @@ def load_manifest_bundle(path: str | os.PathLike, cache_dir: str | os.PathLike |
 # ---- local cache and S3 ------------------------------------------------------------------
 def is_s3(path: str) -> bool:
     return str(path).startswith("s3://")
+
+
+def is_hf(path: str) -> bool:
+    return str(path).startswith("hf://")
+
+
+def split_hf(url: str) -> tuple[str, str, str]:
+    """hf://owner/repo[@revision]/path -> (repo id, revision, path in the repo)."""
+    parts = url[len("hf://"):].split("/", 2)
+    if len(parts) < 2 or not parts[0] or not parts[1]:
+        raise ManifestError(f"{url}: expected hf://<owner>/<repo>[@<revision>]/<path>")
+    repo, _, revision = parts[1].partition("@")
+    sub = parts[2] if len(parts) == 3 else ""
+    if any(seg in (".", "..") for seg in sub.split("/")):
+        raise ManifestError(f"{url}: '.' or '..' in the path")
+    return f"{parts[0]}/{repo}", revision or "main", sub
 
 
 def split_s3(url: str) -> tuple[str, str]:
@@ -297,19 +319,22 @@ class LocalCache:
     reused without touching the network. Delete the file (or the cache) to force a refresh.
     """
 
-    def __init__(self, root: str | os.PathLike | None = None) -> None:
+    def __init__(self, root: str | os.PathLike | None = None, s3_client_factory: Callable[[], Any] | None = None) -> None:
         root = root or os.environ.get(CACHE_ENV) or DEFAULT_CACHE
         self.root = Path(root).expanduser()
         self._client = None
+        self._client_factory = s3_client_factory or s3_client
 
     @property
     def client(self):
         if self._client is None:
-            self._client = s3_client()
+            self._client = self._client_factory()
         return self._client
 
     def fetch(self, path: str, sha256: str | Mapping[str, str] | None = None) -> Path:
-        """A local path for `path` (a file or a directory), downloading S3 objects if needed."""
+        """A local path for `path` (a file or a directory), downloading S3 / Hub files if needed."""
+        if is_hf(path):
+            return self._fetch_hf(path, sha256)
         if not is_s3(path):
             p = Path(path)
             if not p.exists():
@@ -341,6 +366,34 @@ class LocalCache:
             if not isinstance(sha256, str):
                 raise ManifestError(f"{p}: is a file; sha256 must be a hex string")
             _check_sha(p, sha256, str(p))
+
+    # -- Hugging Face Hub --
+    def _fetch_hf(self, url: str, sha256) -> Path:
+        """Download a Hub file or folder into root/hf/<repo>/<revision>/ (huggingface_hub keeps
+        its own metadata there, so a second call makes no download) and check its sha256."""
+        try:
+            import huggingface_hub
+        except ImportError:
+            raise ImportError("hf:// paths need huggingface_hub: pip install 'huggingface_hub>=0.24'") from None
+        repo, revision, sub = split_hf(url)
+        local_dir = self.root / "hf" / repo / revision
+        is_dir = sub == "" or sub.endswith("/")
+        if is_dir and sha256 is not None and not isinstance(sha256, Mapping):
+            raise ManifestError(f"{url}: is a directory; sha256 must map file names to hex strings")
+        if not is_dir and isinstance(sha256, Mapping):
+            raise ManifestError(f"{url}: is a single file; sha256 must be a hex string")
+        with _locked(local_dir / ".adt-download"):
+            if is_dir:
+                patterns = [f"{sub}*"] if sub else None
+                huggingface_hub.snapshot_download(repo, revision=revision, local_dir=str(local_dir),
+                                                  allow_patterns=patterns)
+                out = local_dir / sub if sub else local_dir
+            else:
+                out = Path(huggingface_hub.hf_hub_download(repo, sub, revision=revision, local_dir=str(local_dir)))
+        if not out.exists():
+            raise FileNotFoundError(f"{url}: not found in {repo}@{revision}")
+        self._verify_local(out, sha256)
+        return out
 
     # -- s3 --
     def _local(self, bucket: str, key: str) -> Path:

@@ -293,3 +293,76 @@ def test_stage1_manifest_loads_the_documented_layout(tmp_path, monkeypatch):
     assert bundle.text_encoder.max_tokens == 120 and bundle.drafter.config.grid_h == 16
     emb, mask = bundle.text_encoder.encode(["a red apple"])
     assert emb.shape == (1, 120, 16) and mask[0, -4:].all() and not mask[0, :-4].any()
+
+
+# ---- one storage configuration for models and outputs; hf:// ----------------------------------
+
+
+def test_s3_manifest_uses_the_jobs_storage_settings(published, s3, tmp_path, monkeypatch, moto_endpoint):
+    """The endpoint comes only from --storage.endpoint-url (no AWS_ENDPOINT_URL): the
+    pipeline hands the manifest loader a client built from the job's storage settings."""
+    from pipeline.config import StorageSettings
+    from pipeline.worker import load_bundle_spec
+
+    names = ["t2i_XL_stage1_256.pt", "llamagen_drafter", "vq_ds16_t2i.pt", "flan-t5-xl"]
+    upload_tree(s3.client, s3.bucket, published.root, names)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    path = write_manifest(tmp_path / "s3.yaml", manifest_dict(root=f"s3://{s3.bucket}/llamagen", cache_dir="cache"))
+    made = []
+    import pipeline.s3
+
+    real = pipeline.s3.model_s3_client
+    monkeypatch.setattr(pipeline.s3, "model_s3_client", lambda settings=None: made.append(settings) or real(settings))
+    settings = StorageSettings(endpoint_url=moto_endpoint, region="us-east-1", retry_budget_s=30, timeout_s=5)
+    bundle = load_bundle_spec(str(path), settings)
+    assert made == [settings] and same_weights(bundle.target, published.gpt)
+    client = real(settings)
+    retries = client.meta.config.retries
+    assert retries.get("total_max_attempts", retries.get("max_attempts", 0) + 1) == 7  # 30 s budget / 5 s timeout + 1
+    assert client.meta.config.read_timeout == 5
+
+
+def test_hf_paths_download_into_the_checksummed_cache(published, tmp_path, monkeypatch):
+    """hf://owner/repo[@rev]/path through huggingface_hub (stood in for by a local copy: no
+    network in tests), cached under cache/hf/<owner>/<repo>/<rev>/, sha256 checked."""
+    import shutil
+
+    import huggingface_hub
+
+    from adt_core.models.manifest import split_hf
+
+    calls = []
+
+    def fake_file(repo_id, filename, revision=None, local_dir=None, **kw):
+        calls.append(("file", repo_id, filename, revision))
+        dst = Path(local_dir) / filename
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if not dst.exists():
+            shutil.copy2(published.root / filename, dst)
+        return str(dst)
+
+    def fake_snapshot(repo_id, revision=None, local_dir=None, allow_patterns=None, **kw):
+        calls.append(("dir", repo_id, tuple(allow_patterns or ()), revision))
+        sub = allow_patterns[0].rstrip("*").rstrip("/")
+        shutil.copytree(published.root / sub, Path(local_dir) / sub, dirs_exist_ok=True)
+        return local_dir
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_file)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
+    assert split_hf("hf://FoundationVision/LlamaGen@v1/t2i/x.pt") == ("FoundationVision/LlamaGen", "v1", "t2i/x.pt")
+    assert split_hf("hf://google/flan-t5-xl") == ("google/flan-t5-xl", "main", "")
+    with pytest.raises(ManifestError):
+        split_hf("hf://only-owner")
+    m = manifest_dict(root="hf://org/llamagen@abc123", cache_dir="cache")
+    m["target"]["sha256"] = sha256_file(published.root / "t2i_XL_stage1_256.pt")
+    m["drafter"] = {"path": "hf://org/llamagen@abc123/llamagen_drafter/"}  # a trailing / names a folder
+    m["text_encoder"]["path"] += "/"
+    path = write_manifest(tmp_path / "hf.yaml", m)
+    bundle = load_manifest_bundle(path)
+    assert same_weights(bundle.target, published.gpt) and same_weights(bundle.drafter, published.drafter)
+    cached = tmp_path / "cache" / "hf" / "org" / "llamagen" / "abc123"
+    assert (cached / "t2i_XL_stage1_256.pt").is_file() and (cached / "llamagen_drafter").is_dir()
+    assert ("file", "org/llamagen", "t2i_XL_stage1_256.pt", "abc123") in calls
+    m["target"]["sha256"] = "0" * 64
+    with pytest.raises(ChecksumError):
+        load_manifest_bundle(write_manifest(tmp_path / "bad.yaml", m))
