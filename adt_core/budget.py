@@ -9,8 +9,9 @@ cost(A (1 + m)) whatever the slots' individual trees. The budget, per round:
    recent drafted rounds must beat that of the recent plain AR steps at the same number of
    slots; otherwise the round is a plain batched AR step (the drafter is not run; it catches
    up on the skipped pairs in one forward when drafting resumes). Each choice is tried first,
-   and the losing one is tried again every `PROBE_EVERY` rounds, so a change of regime (a
-   draining batch, an easier part of the images) is noticed. This uses the clock because the
+   and the losing one is tried again after `PROBE_EVERY` rounds, the interval doubling (up to
+   `PROBE_MAX`) while probes confirm the winner, so a change of regime (a draining batch, an
+   easier part of the images) is noticed at a small cost. This uses the clock because the
    drafter's real cost per level (bookkeeping, scoring, tree building) is what decides; shapes
    and outputs stay exact either way.
 2. levels: a level is built while its expected extra tokens (the summed path confidences of
@@ -31,7 +32,7 @@ import torch
 from adt_core.calibrate import CostTable
 from adt_core.config import AdaptiveConfig
 
-PROBE_EVERY = 32
+PROBE_EVERY, PROBE_MAX = 16, 256
 EMA = 0.2
 
 
@@ -40,28 +41,38 @@ class BatchBudget:
         self.costs, self.cfg = costs, cfg
         self.rate: dict[tuple[int, bool], float] = {}  # (slots, drafted) -> running mean tokens per ms
         self.since_probe = 0
+        self.probe_every = PROBE_EVERY  # doubles while probes confirm the winner, up to PROBE_MAX
         self._verify: dict[int, torch.Tensor] = {}
 
     def token_ms(self, a: int) -> float:
         """Modelled milliseconds per committed token of a plain AR step with `a` slots."""
         return self.costs.cost(a) / a
 
-    def worth_drafting(self, a: int) -> bool:
+    def _winner(self, a: int) -> bool | None:
         spec, ar = self.rate.get((a, True)), self.rate.get((a, False))
-        if spec is None or ar is None:
-            return spec is None  # try drafting first, then a plain step
-        better = spec > ar
-        if self.since_probe >= PROBE_EVERY:
+        return None if spec is None or ar is None else spec > ar
+
+    def worth_drafting(self, a: int) -> bool:
+        better = self._winner(a)
+        if better is None:
+            return (a, True) not in self.rate  # try drafting first, then a plain step
+        if self.since_probe >= self.probe_every:
             return not better  # probe the losing choice
         return better
 
     def observe_round(self, a: int, drafted: bool, ms: float, tokens: int) -> None:
         """A finished round with `a` slots: whether it drafted, its wall ms, tokens committed."""
         key, r = (a, drafted), tokens / max(ms, 1e-6)
-        if self.rate.get((a, True)) is not None and self.rate.get((a, False)) is not None:
-            loser = self.rate[(a, True)] <= self.rate[(a, False)]
-            self.since_probe = 0 if drafted == loser else self.since_probe + 1
+        before = self._winner(a)
         self.rate[key] = r if key not in self.rate else self.rate[key] + EMA * (r - self.rate[key])
+        if before is None:
+            return
+        if drafted != before:  # a probe of the losing choice
+            self.since_probe = 0
+            same = self._winner(a) == before
+            self.probe_every = min(2 * self.probe_every, PROBE_MAX) if same else PROBE_EVERY
+        else:
+            self.since_probe += 1
 
     def level_gate(self, a: int):
         """gate(level, {slot: confidence of its frontier}, frontier tokens) -> build the level?"""

@@ -103,11 +103,15 @@ def test_batch_budget_drafts_only_while_it_measures_faster_and_probes():
     assert not b.worth_drafting(4)  # then try a plain step
     b.observe_round(4, False, ms=20.0, tokens=4)  # 0.2 tokens/ms: AR wins
     decisions = []
-    for _ in range(2 * PROBE_EVERY + 2):
+    for _ in range(3 * PROBE_EVERY + 2):
         d = b.worth_drafting(4)
         decisions.append(d)
         b.observe_round(4, d, ms=50.0 if d else 20.0, tokens=6 if d else 4)
-    assert decisions.count(True) == 2 and decisions.count(False) == 2 * PROBE_EVERY  # probes only
+    probes = [i for i, d in enumerate(decisions) if d]
+    assert probes == [PROBE_EVERY, 3 * PROBE_EVERY + 1]  # probes only, the interval doubling
+    b.observe_round(4, True, ms=5.0, tokens=6)  # drafting got much faster (an easy region)
+    b.observe_round(4, True, ms=5.0, tokens=6)
+    assert b.worth_drafting(4) and b.probe_every == PROBE_EVERY
     assert b.worth_drafting(8)  # another slot count is measured anew
     gate = b.level_gate(4)  # a token is worth 10 ms: a level costing 5 ms needs 0.5 expected tokens
     assert gate(2, {0: 0.3, 1: 0.3}, 8) and not gate(2, {0: 0.2, 1: 0.2}, 8)
