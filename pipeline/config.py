@@ -227,6 +227,11 @@ class JobConfig(_Strict):
         100_000, ge=1, le=10_000_000, description="Rows per compacted telemetry file (parts are merged at the end of a run)."
     )
     progress: bool = Field(True, description="Show Ray Data progress bars.")
+    progress_interval_s: float = Field(
+        10.0, gt=0.0, le=3600.0, allow_inf_nan=False,
+        description="Seconds between the driver's progress lines (done / total, images/s, ETA; shown with or "
+        "without --progress, on a terminal and in ray job logs).",
+    )
     storage: StorageSettings = Field(default_factory=StorageSettings, description="Object-store endpoint settings.")
 
     @field_validator("job_id")

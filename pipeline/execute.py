@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 from pipeline.cluster import ActorPlan, autoscaler_max_resources, plan_actors, plan_gpu_demand, ray_target, wait_for_gpus
 from pipeline.config import JobConfig
 from pipeline.ledger import Ledger
+from pipeline.progress import Progress
 from pipeline.prompts import PromptSource
 from pipeline.retry import StorageUnavailable, is_transient
 from pipeline.storage import is_remote
@@ -119,8 +120,10 @@ def _run_pool(cfg: JobConfig, source: PromptSource, todo: list[str], ledger: Led
     )
     batches = iter(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
     try:
+        progress = Progress(len(todo), say, cfg.progress_interval_s)
         for batch in batches:
             ledger.add(batch)  # durable before the next batch is taken
+            progress.add(batch.num_rows, pc.sum(pc.equal(batch["status"], "ok")).as_py() or 0)
     except (StorageUnavailable, JobInterrupted):
         raise
     except Exception as e:  # noqa: BLE001 - a failed execution: a store, or a bug

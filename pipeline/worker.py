@@ -37,6 +37,7 @@ from typing import Any, Iterator, Optional
 import pyarrow as pa
 
 from pipeline.config import JobConfig, StorageSettings
+from pipeline.metrics import WorkerMetrics
 from pipeline.prompts import MAX_SEED, derived_seed, row_problem
 from pipeline.shards import Sample, sample_key, write_shards
 from pipeline.storage import image_key, open_storage
@@ -157,6 +158,7 @@ class GeneratorWorker:
             config_hash=self.cfg.config_hash(), run_id=run_id, actor_id=actor, node_id=node, hostname=socket.gethostname(),
             device=dev_name,
         )
+        self.metrics = WorkerMetrics(self.cfg.decode.method, self.bundle.name)
         log.info("worker ready: bundle %s on %s in %.1f s (actor %s)", self.bundle.name, dev_name,
                  time.perf_counter() - t0, actor)
 
@@ -203,6 +205,7 @@ class GeneratorWorker:
         self._add_baselines(baseline)
         if samples:
             self._write_shards(samples, out)
+        self.metrics.record(out)
         return to_table(out)
 
     def _write_shards(self, samples: list[tuple[int, Sample]], out: list[Optional[dict]]) -> None:

@@ -65,7 +65,8 @@ def test_pins_install_into_a_fresh_venv(tmp_path):
     chosen = {i["metadata"]["name"].lower().replace("_", "-"): i["metadata"]["version"]
               for i in json.loads((tmp_path / "report.json").read_text())["install"]}
     for name, req in pins().items():
-        assert chosen[name] == next(iter(req.specifier)).version
+        # base version: a machine whose pip is set up with the CPU wheel index resolves torch 2.13.0+cpu
+        assert Version(chosen[name]).base_version == Version(next(iter(req.specifier)).version).base_version
 
 
 def _docker_unavailable() -> str | None:
