@@ -65,9 +65,9 @@ def execute(cfg: JobConfig, source: PromptSource, todo: list[str], ledger: Ledge
     address = ray_target(cfg)
     resources = ray.cluster_resources()
     demand = plan_gpu_demand(cfg, resources, len(todo), address, autoscaler_max_resources())
-    if demand is not None:
-        resources = wait_for_gpus(demand, say, ray.cluster_resources, request_resources)
     try:
+        if demand is not None:
+            resources = wait_for_gpus(demand, say, ray.cluster_resources, request_resources)
         return _run_pool(cfg, source, todo, ledger, say, run_id, resources, address,
                          demand.wait_s if demand else 0.0)
     finally:
@@ -100,7 +100,7 @@ def _run_pool(cfg: JobConfig, source: PromptSource, todo: list[str], ledger: Led
     if len(todo) < len(source.ids):
         ds = ds.map_batches(_keep_ids, fn_kwargs={"ids": pa.array(todo, pa.string())}, batch_format="pyarrow")
     # Small prompt files arrive as one block (one actor would get everything): split by rows.
-    per_block = max(1, min(rows, math.ceil(len(todo) / (plan.num_actors * 4))))
+    per_block = max(1, min(rows, math.ceil(len(todo) / (plan.pool_max * 4))))
     ds = ds.repartition(target_num_rows_per_block=per_block)
     ds = ds.map_batches(
         GeneratorWorker,
