@@ -6,8 +6,9 @@ forward is padded to the widest slot's tree, so keeping m nodes per slot costs
 cost(A (1 + m)) whatever the slots' individual trees. The budget, per round:
 
 1. whether to draft at all: the measured rate (committed tokens per ms of wall time) of the
-   recent drafted rounds must beat that of the recent plain AR steps at the same number of
-   slots; otherwise the round is a plain batched AR step (the drafter is not run; it catches
+   recent drafted rounds must beat that of the recent plain AR steps with about as many slots
+   (counts share measurements by power of two, and a new count starts from the nearest measured
+   one's choice); otherwise the round is a plain batched AR step (the drafter is not run; it catches
    up on the skipped pairs in one forward when drafting resumes). Each choice is tried first,
    and the losing one is tried again after `PROBE_EVERY` rounds, the interval doubling (up to
    `PROBE_MAX`) while probes confirm the winner, so a change of regime (a draining batch, an
@@ -48,28 +49,40 @@ class BatchBudget:
         """Modelled milliseconds per committed token of a plain AR step with `a` slots."""
         return self.costs.cost(a) / a
 
-    def _winner(self, a: int) -> bool | None:
-        spec, ar = self.rate.get((a, True)), self.rate.get((a, False))
+    @staticmethod
+    def bucket(a: int) -> int:
+        """Slot counts share measurements by power of two (1, 2-3, 4-7, ...): a draining batch
+        passes through few buckets, not one exploration per image that leaves."""
+        return a.bit_length()
+
+    def _winner(self, k: int) -> bool | None:
+        """Whether drafting measured faster in bucket k (None: not both measured yet)."""
+        spec, ar = self.rate.get((k, True)), self.rate.get((k, False))
         return None if spec is None or ar is None else spec > ar
 
     def worth_drafting(self, a: int) -> bool:
-        better = self._winner(a)
+        k = self.bucket(a)
+        better = self._winner(k)
         if better is None:
-            return (a, True) not in self.rate  # try drafting first, then a plain step
+            known = sorted({b for b, _ in self.rate if self._winner(b) is not None}, key=lambda b: abs(b - k))
+            if (k, True) in self.rate or (k, False) in self.rate or not known:
+                return (k, True) not in self.rate  # try drafting first, then a plain step
+            return bool(self._winner(known[0]))  # a new bucket: the nearest measured one's choice
         if self.since_probe >= self.probe_every:
             return not better  # probe the losing choice
         return better
 
     def observe_round(self, a: int, drafted: bool, ms: float, tokens: int) -> None:
         """A finished round with `a` slots: whether it drafted, its wall ms, tokens committed."""
-        key, r = (a, drafted), tokens / max(ms, 1e-6)
-        before = self._winner(a)
+        k = self.bucket(a)
+        key, r = (k, drafted), tokens / max(ms, 1e-6)
+        before = self._winner(k)
         self.rate[key] = r if key not in self.rate else self.rate[key] + EMA * (r - self.rate[key])
         if before is None:
             return
         if drafted != before:  # a probe of the losing choice
             self.since_probe = 0
-            same = self._winner(a) == before
+            same = self._winner(k) == before
             self.probe_every = min(2 * self.probe_every, PROBE_MAX) if same else PROBE_EVERY
         else:
             self.since_probe += 1

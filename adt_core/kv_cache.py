@@ -64,6 +64,10 @@ class KVCache:
         if self._uniform is not None:
             self.k[layer, :, :, self._uniform : end] = k
             self.v[layer, :, :, self._uniform : end] = v
+        elif s == 1:  # one new entry per row (a plain AR step): a direct indexed store
+            rows = torch.arange(self.rows, device=k.device)
+            self.k[layer][rows, :, self.lengths] = k[:, :, 0]
+            self.v[layer][rows, :, self.lengths] = v[:, :, 0]
         else:
             idx = (self.lengths[:, None] + torch.arange(s, device=k.device))[:, None, :, None]  # (R, 1, S, 1)
             idx = idx.expand(-1, k.shape[1], -1, k.shape[3])
@@ -110,6 +114,10 @@ class KVCache:
         if self._uniform is not None and not isinstance(since, torch.Tensor):
             return self._uniform_mask(new_mask, self._uniform if since is None else since, s, total)
         dev = self.valid.device
+        if s == 1 and since is None:  # one query per row: its committed keys and itself
+            j = torch.arange(total, device=dev)[None]  # (1, K)
+            own = self.lengths[:, None]  # (R, 1): where each row's new key goes
+            return (((j < own) & self.valid[:, :total]) | (j == own))[:, None, None]  # (R, 1, 1, K)
         since_t = self.lengths if since is None else torch.as_tensor(since, device=dev).expand(self.rows)
         w = new_mask.shape[-1]
         j = torch.arange(total, device=dev)[None]  # (1, K)

@@ -109,10 +109,11 @@ def test_batch_budget_drafts_only_while_it_measures_faster_and_probes():
         b.observe_round(4, d, ms=50.0 if d else 20.0, tokens=6 if d else 4)
     probes = [i for i, d in enumerate(decisions) if d]
     assert probes == [PROBE_EVERY, 3 * PROBE_EVERY + 1]  # probes only, the interval doubling
+    assert not b.worth_drafting(5)  # 4-7 slots share one measurement
+    assert not b.worth_drafting(9)  # a new bucket starts from the nearest measured one's choice
     b.observe_round(4, True, ms=5.0, tokens=6)  # drafting got much faster (an easy region)
     b.observe_round(4, True, ms=5.0, tokens=6)
     assert b.worth_drafting(4) and b.probe_every == PROBE_EVERY
-    assert b.worth_drafting(8)  # another slot count is measured anew
     gate = b.level_gate(4)  # a token is worth 10 ms: a level costing 5 ms needs 0.5 expected tokens
     assert gate(2, {0: 0.3, 1: 0.3}, 8) and not gate(2, {0: 0.2, 1: 0.2}, 8)
 
