@@ -3,10 +3,10 @@
 `TreeProposer` drives an EAGLE-style `Drafter` with its own ragged KV cache: slot b owns rows
 b (and slots + b with CFG) holding that image's committed (hidden, token) pairs. `observe`
 queues the pairs of newly committed tokens per slot (pairs queue up over rounds that did not
-draft: the drafter then catches up in one forward); `propose` feeds every queued pair in ONE
-padded forward, expands all requested trees level by level with ONE drafter forward per level
-over every slot's frontier (per-row positions and tree masks), then forgets the tree nodes
-(each row keeps only committed pairs). It returns each slot's candidate pool; the caller picks
+draft: the drafter then catches up in one forward, on at most the last 2 x CATCHUP_PAIRS of
+them); `propose` feeds every queued pair in ONE padded forward, expands all requested trees
+level by level with ONE drafter forward per level over every slot's frontier (per-row
+positions and tree masks), then forgets the tree nodes (each row keeps only committed pairs). It returns each slot's candidate pool; the caller picks
 how many nodes to keep (`tree.rerank`).
 
 Expansion shapes (per slot):
@@ -29,6 +29,10 @@ from adt_core.sampling import cfg_mix, warp
 from adt_core.tree import CandidatePool, top_frontier
 
 SCORE_FLOOR = -1e4  # log-score floor: a child of a removed (-inf) token still scores below its parent
+# after many rounds without drafting a slot's queue keeps its last CATCHUP_PAIRS pairs (once it
+# passes twice that): older skipped pairs stay out of the drafter's cache, so its proposals lose
+# that far context and a long skip costs one short feed; outputs are exact regardless
+CATCHUP_PAIRS = 32
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,13 @@ class _Pending:
     hidden: list[torch.Tensor]  # pieces (cfg rows, P_i, dim): target states before each token
     first_position: int
 
+    def recent(self, n: int) -> "_Pending":
+        """The last n pairs (all when fewer)."""
+        drop = max(0, len(self.tokens) - n)
+        if drop == 0:
+            return self
+        return _Pending(self.tokens[drop:], [torch.cat(self.hidden, 1)[:, drop:]], self.first_position + drop)
+
 
 class TreeProposer:
     def __init__(self, drafter: Drafter, head, cfg_scale: float, rows: int, max_len: int,
@@ -112,6 +123,8 @@ class TreeProposer:
                 raise RuntimeError("observe() pairs must follow the queued ones")
             old.tokens += tokens
             old.hidden.append(hidden)
+            if len(old.tokens) > 2 * CATCHUP_PAIRS:  # amortised: keep the recent pairs only
+                self._pending[slot] = old.recent(CATCHUP_PAIRS)
 
     def _feed(self, slots: list[int]) -> torch.Tensor:
         """Run the queued pairs of `slots` in one padded forward; returns (R, dim): each row's

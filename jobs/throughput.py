@@ -164,6 +164,7 @@ def chart(out: dict, methods, batches, png: str) -> None:
         xs = {b: x0 + pad + (w - pad - 20) * i / max(1, len(batches) - 1) for i, b in enumerate(batches)}
         for b, x in xs.items():
             d.text((x - 6, h - pad + 6), str(b), fill=(0, 0, 0))
+        d.text((x0 + w // 2 - 70, h - pad + 24), "engine batch (images in flight)", fill=(0, 0, 0))
         for v in (0.25, 0.5, 0.75, 1.0):
             y = h - pad - (h - pad - 20) * v
             d.text((x0 + 4, y - 5), f"{top * v:.1f}", fill=(0, 0, 0))
