@@ -42,17 +42,19 @@ def _hist(ax, values: np.ndarray, label: str, color: str, bins) -> None:
 
 def status_chart(rows: pa.Table) -> bytes:
     """Counts by status and failures by reason."""
-    fig, (a, b) = figure(1, 2, width=11, height=3.2)
+    fig, (a, b) = figure(1, 2, width=11, height=2.6)
     statuses = Counter(rows["status"].to_pylist())
     names = sorted(statuses, key=lambda s: (s != "ok", s))
-    a.barh(names, [statuses[s] for s in names], color=[PALETTE[2] if s == "ok" else PALETTE[3] for s in names])
+    a.barh(names, [statuses[s] for s in names], height=0.5,
+           color=[PALETTE[2] if s == "ok" else PALETTE[3] for s in names])
+    a.set_ylim(-0.75, max(len(names), 2) - 0.25)
     for i, s in enumerate(names):
         a.text(statuses[s], i, f" {statuses[s]:,}", va="center", fontsize=9)
     style_axes(a, "Prompts by status (latest row per prompt)", "prompts", "")
     reasons = failure_reasons(rows)
     if reasons:
         labels = [textwrap.shorten(r, 60) for r, _ in reasons][::-1]
-        b.barh(labels, [n for _, n in reasons][::-1], color=PALETTE[3])
+        b.barh(labels, [n for _, n in reasons][::-1], height=0.5, color=PALETTE[3])
         style_axes(b, "Failures by reason", "prompts", "")
         b.tick_params(axis="y", labelsize=8)
     else:
