@@ -131,5 +131,6 @@ def test_ray_job_submit_end_to_end(tmp_path, ray_cluster):
     assert "succeeded" in logs and "connecting to Ray at" in logs and "ok 5   failed 0" in logs
     tel = pq.read_table(str(out / "telemetry")).to_pylist()
     assert Counter(r["prompt_id"] for r in tel) == Counter(r["prompt_id"] for r in rows)
-    assert sorted(p.name for p in (out / "images").iterdir()) == [f"{r['prompt_id']}.png" for r in rows]
+    assert sorted(p.name for p in (out / "images").glob("*.png")) == [f"{r['prompt_id']}.png" for r in rows]
+    assert (out / "images" / "metadata.parquet").is_file()  # imagefolder metadata beside the images
     assert json.loads((out / "summary.json").read_text())["ok"] == 5
