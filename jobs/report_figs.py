@@ -18,6 +18,7 @@ import pyarrow.compute as pc
 from jobs.plots import trace_maps
 from jobs.report_charts import PALETTE, empty_note, figure, png, require_matplotlib, style_axes
 from jobs.report_data import MAP_KEYS, TreeMaps, ok_rows
+from jobs.study_table import seconds
 
 MAP_TITLES = {"depth": "draft depth d", "width": "draft width k", "accepted": "accepted length (+ bonus)"}
 MAP_CMAP = "viridis"
@@ -76,7 +77,7 @@ def throughput_chart(rows: pa.Table) -> bytes:
         empty_note(a, "Fewer than two ok images")
         empty_note(b, "Fewer than two ok images")
         return png(fig)
-    t = ok["finished_at"].cast(pa.int64()).to_numpy() / 1000.0
+    t = seconds(ok["finished_at"])
     t0 = t.min()
     actors = np.array(ok["actor_id"].to_pylist(), dtype=object)
     counts = Counter(actors)

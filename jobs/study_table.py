@@ -66,6 +66,12 @@ class CellResult:
     wall_s: float  # the cell's whole run (Ray Data start-up and warm-up included)
 
 
+def seconds(col) -> np.ndarray:
+    """A timestamp column (any unit) as float seconds since the epoch."""
+    typ = col.type
+    return col.cast(pa.timestamp("ms", tz=typ.tz)).cast(pa.int64()).to_numpy() / 1000.0
+
+
 def _pct(values: np.ndarray, q: float) -> float:
     return float(np.percentile(values, q)) if values.size else math.nan
 
@@ -76,7 +82,7 @@ def measure_cell(spec: CellSpec, table: pa.Table, warmup: int, device: str, devi
     ok = table.filter(pc.equal(table["status"], "ok")) if table.num_rows else table
     rates, engine, kept = [], [], []
     actors = ok["actor_id"].to_numpy(zero_copy_only=False) if ok.num_rows else np.array([])
-    times = ok["finished_at"].cast(pa.int64()).to_numpy() / 1000.0 if ok.num_rows else np.array([])
+    times = seconds(ok["finished_at"]) if ok.num_rows else np.array([])
     for actor in np.unique(actors):
         idx = np.flatnonzero(actors == actor)
         idx = idx[np.argsort(times[idx], kind="stable")]
