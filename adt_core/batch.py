@@ -74,10 +74,13 @@ class BatchDecoder:
         self.static = static_children(c.tree.static_paths) if c.method == "static" else None
         self.budget = BatchBudget(gen.cost_table(), c.adaptive) if c.method == "adt" and c.adaptive.budget == "cost" else None
         self.slots: list[Slot | None] = [None] * capacity
+        self._rows = [torch.tensor([b + i * capacity for i in range(self.cfg_rows)], device=gen.device)
+                      for b in range(capacity)]
 
     # ---- slots --------------------------------------------------------------------------
     def rows(self, b: int) -> torch.Tensor:
-        return torch.tensor([b + i * self.capacity for i in range(self.cfg_rows)], device=self.g.device)
+        """Slot b's cache rows (cfg,): b, then capacity + b with CFG."""
+        return self._rows[b]
 
     def free(self) -> list[int]:
         return [b for b, s in enumerate(self.slots) if s is None]
@@ -236,11 +239,12 @@ class BatchDecoder:
         grow[idx] = 1
         self.cache.set_lengths(start + rows(grow))
         share = (g.timer.now() - ta) / len(active)
+        last = hidden[:, :1]  # (R, 1, dim): each row's state before its new token
         for b, s, y in zip(active, slots, new):
             index = len(s.committed)
             s.committed.append(int(y))
             if self.proposer is not None and len(s.committed) < self.n:
-                self.proposer.observe(b, hidden[self.rows(b), :1], [int(y)], self.t + index)
+                self.proposer.observe(b, last[self._rows[b]], [int(y)], self.t + index)
             g.record(s.stats, None, None, index, 0, 0.0, share, slots=len(active), tokens=len(active), drafted=False)
         return self._retire_done()
 

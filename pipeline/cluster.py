@@ -186,7 +186,9 @@ def plan_actors(cfg: JobConfig, resources: dict[str, float], num_prompts: Option
         n = fit
     if per_cpu is None:
         per_cpu = budget / n
-    threads = max(1, int(per_cpu))
+    # torch threads: every core of the cluster shared among the actors (Ray's CPU reservation
+    # stays fractional, so the read/write tasks can still be scheduled)
+    threads = max(1, int(cpus // n))
     if cfg.device == "auto":
         waited = f" after waiting {waited_s:g} s for the autoscaler" if waited_s else ""
         notes.insert(0, f"no GPUs in the cluster{waited}: running {n} CPU actor(s)")

@@ -53,7 +53,7 @@ class TreeSettings(_Strict):
 
 
 # images in flight per engine by device kind (measured: docs/bench.md, `python -m jobs.bench --throughput`)
-ENGINE_BATCH = {"cpu": 16, "cuda": 64}
+ENGINE_BATCH = {"cpu": 64, "cuda": 64}
 ROWS_PER_ENGINE_SLOT = 4
 
 

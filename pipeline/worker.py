@@ -37,6 +37,7 @@ from typing import Any, Iterator, Optional
 import pyarrow as pa
 
 from pipeline.config import JobConfig, StorageSettings
+from pipeline.costs import attach_costs
 from pipeline.metrics import WorkerMetrics
 from pipeline.prompts import MAX_SEED, derived_seed, row_problem
 from pipeline.shards import Sample, sample_key, write_shards
@@ -158,6 +159,7 @@ class GeneratorWorker:
             config_hash=self.cfg.config_hash(), run_id=run_id, actor_id=actor, node_id=node, hostname=socket.gethostname(),
             device=dev_name,
         )
+        self.costs = attach_costs(self.generator, self.storage, dev_name)  # one cost table per job (resume too)
         self.metrics = WorkerMetrics(self.cfg.decode.method, self.bundle.name)
         log.info("worker ready: bundle %s on %s in %.1f s (actor %s)", self.bundle.name, dev_name,
                  time.perf_counter() - t0, actor)

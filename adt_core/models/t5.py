@@ -14,7 +14,8 @@ contract of adt_core/models/text.py. The model and tokenizer come from a local d
 Cleaning needs no extra packages: HTML is stripped with the standard library's parser (as
 BeautifulSoup's "html.parser" backend does) and `ftfy.fix_text` is used when ftfy is
 installed, else a small fallback covering what matters for prompts (HTML entities, width
-and ligature forms, control characters, line breaks). Mojibake repair needs ftfy.
+and ligature forms, control characters, line breaks). Mojibake repair needs ftfy:
+`pip install 'adt-tree[t5]'`.
 """
 
 from __future__ import annotations
