@@ -10,8 +10,8 @@ cost(A (1 + m)) whatever the slots' individual trees. The budget, per round:
    (counts share measurements by power of two, and a new count starts from the nearest measured
    one's choice); otherwise the round is a plain batched AR step (the drafter is not run; it catches
    up on the skipped pairs in one forward when drafting resumes). Each choice is tried first,
-   and the losing one is tried again after `PROBE_EVERY` rounds, the interval doubling (up to
-   `PROBE_MAX`) while probes confirm the winner, so a change of regime (a draining batch, an
+   and the losing one is tried again after `PROBE_EVERY` rounds, the interval doubling (four-fold
+   when the loser is far behind; up to `PROBE_MAX`) while probes confirm the winner, so a change of regime (a draining batch, an
    easier part of the images) is noticed at a small cost. This uses the clock because the
    drafter's real cost per level (bookkeeping, scoring, tree building) is what decides; shapes
    and outputs stay exact either way.
@@ -33,7 +33,8 @@ import torch
 from adt_core.calibrate import CostTable
 from adt_core.config import AdaptiveConfig
 
-PROBE_EVERY, PROBE_MAX = 16, 256
+PROBE_EVERY, PROBE_MAX = 32, 512
+CLEAR_LOSS = 0.6  # a probe this far behind the winner (rate ratio) backs off four-fold
 EMA = 0.2
 
 
@@ -83,7 +84,9 @@ class BatchBudget:
         if drafted != before:  # a probe of the losing choice
             self.since_probe = 0
             same = self._winner(k) == before
-            self.probe_every = min(2 * self.probe_every, PROBE_MAX) if same else PROBE_EVERY
+            lo, hi = sorted((self.rate[(k, True)], self.rate[(k, False)]))
+            grow = 4 if lo < CLEAR_LOSS * hi else 2
+            self.probe_every = min(grow * self.probe_every, PROBE_MAX) if same else PROBE_EVERY
         else:
             self.since_probe += 1
 

@@ -32,7 +32,7 @@ SCORE_FLOOR = -1e4  # log-score floor: a child of a removed (-inf) token still s
 # after many rounds without drafting a slot's queue keeps its last CATCHUP_PAIRS pairs (once it
 # passes twice that): older skipped pairs stay out of the drafter's cache, so its proposals lose
 # that far context and a long skip costs one short feed; outputs are exact regardless
-CATCHUP_PAIRS = 32
+CATCHUP_PAIRS = 8
 
 
 @dataclass(frozen=True)
