@@ -42,7 +42,7 @@ from pipeline.metrics import WorkerMetrics
 from pipeline.prompts import MAX_SEED, derived_seed, row_problem
 from pipeline.shards import Sample, sample_key, write_shards
 from pipeline.storage import image_key, open_storage
-from pipeline.telemetry import RowContext, add_baseline, failed_row, ok_row, to_table
+from pipeline.telemetry import RowContext, add_baseline, calibrate_estimates, failed_row, ok_row, to_table
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +205,7 @@ class GeneratorWorker:
             if stored == 1 and len(todo) > 1:
                 self._maybe_fault()
         self._add_baselines(baseline)
+        calibrate_estimates([r for r in out if r is not None and r.get("status") == "ok"])
         if samples:
             self._write_shards(samples, out)
         self.metrics.record(out)

@@ -10,6 +10,7 @@ from pipeline.telemetry import (
     SCHEMA,
     RowContext,
     add_baseline,
+    calibrate_estimates,
     failed_row,
     format_summary,
     ok_row,
@@ -133,3 +134,29 @@ def test_summary_percentiles_and_steady_throughput():
     assert s["steady_images_per_second"] == pytest.approx(11 / 8)
     assert s["images_per_second"] == pytest.approx(15 / 30)
     assert "steady 1.375" in format_summary(s)
+
+
+def test_estimates_are_calibrated_on_the_measured_rows_of_the_batch():
+    rows = [{"status": "ok", "estimated_speedup": 2.0, "speedup": 1.0},
+            {"status": "ok", "estimated_speedup": 4.0, "speedup": 3.0},
+            {"status": "ok", "estimated_speedup": 3.0, "speedup": None}]
+    calibrate_estimates(rows)  # ratios 0.5 and 0.75: median 0.625
+    assert [r["estimated_speedup"] for r in rows] == [1.25, 2.5, 1.875]
+    assert rows[2]["estimated_speedup_model"] == 3.0 and rows[2]["estimate_source"] == "calibrated on 2 measured rows"
+    alone = [{"status": "ok", "estimated_speedup": 2.0, "speedup": None}]
+    calibrate_estimates(alone)
+    assert alone[0]["estimated_speedup"] == 2.0 and alone[0]["estimate_source"] == "model"
+
+
+def test_baseline_mismatch_is_an_exactness_error_only_where_exactness_is_promised():
+    res = fake_result()
+    rows = []
+    for i, (sampler, lossy) in enumerate([("coupled", False), ("rejection", False), ("coupled", True)]):
+        r = ok_row(CTX, f"p{i}", i, f"images/p{i}.png", res)
+        r["sampler"], r["lossy"] = sampler, lossy
+        add_baseline(r, fake_result(tokens=np.zeros((4, 4), np.int64)))  # different tokens
+        rows.append(r)
+    s = summarize(to_table(rows), wall_time_s=1.0)
+    assert s["baseline_tokens_mismatch"] == 3 and s["exactness_errors"] == 1
+    text = format_summary(s)
+    assert "ERROR     1 baseline rows" in text and "2 baseline rows differ from AR as expected" in text
