@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 PART_MARK = "-part-"
 # Columns the run summary needs; the ledger keeps only these in memory.
 SUMMARY_COLUMNS = ["prompt_id", "status", "error", "finished_at", "actor_id", "speedup", "estimated_speedup",
-                   "mean_acceptance_length", "draft_acceptance_rate", "generation_time_ms", "baseline_tokens_match"]
+                   "estimated_speedup_model", "estimate_source", "mean_acceptance_length", "draft_acceptance_rate",
+                   "generation_time_ms", "baseline_tokens_match", "sampler", "lossy"]
 
 
 def _telemetry_keys(output: Storage) -> list[str]:

@@ -277,7 +277,9 @@ def summarize(table: pa.Table, *, wall_time_s: float, skipped: int = 0, total_in
     ok = statuses.get(STATUS_OK, 0)
     failed = statuses.get(STATUS_FAILED, 0)
     okt = table.filter(pa.compute.equal(table["status"], STATUS_OK)) if table.num_rows else table
-    col = lambda name: okt[name].to_pylist() if okt.num_rows else []  # noqa: E731
+    # a column missing from older ledger parts reads as nulls
+    col = lambda name: (okt[name].to_pylist() if name in okt.column_names else [None] * okt.num_rows) \
+        if okt.num_rows else []  # noqa: E731
     errors = Counter(
         (e or "")[:120] for e, s in zip(table["error"].to_pylist(), table["status"].to_pylist()) if s == STATUS_FAILED
     ) if table.num_rows else Counter()
