@@ -201,7 +201,7 @@ class Generator:
         costs = self.cost_table() if self.config.method != "ar" else None
         for i, d in enumerate(done):
             if costs is not None:
-                d.stats.estimated_speedup = estimate_speedup(d.stats, costs, self.num_tokens, self.config.batch_size)
+                d.stats.estimated_speedup = estimate_speedup(d.stats, costs, self.num_tokens, d.stats.batch_size)
             else:
                 d.stats.estimated_speedup = 1.0
             yield d.index, GenerationResult(d.prompt, d.seed, grid[i].cpu(), images[i], d.stats)
