@@ -85,9 +85,10 @@ def test_killed_driver_loses_at_most_the_batches_in_flight(tmp_path, ray_session
     src = write_prompts(tmp_path / "p.parquet", rows)
     out = tmp_path / "out"
     stored, regenerated = kill_driver_after(src, out, n_images=12, actors=actors, batch=batch)
-    # in flight per actor at the kill: the batch streaming its images and up to two finished
-    # batches whose rows the driver had not taken from Ray Data yet
-    assert stored >= 12 and regenerated <= 3 * actors * batch, (stored, regenerated)
+    # in flight per actor at the kill: the batch streaming its images and the finished batches
+    # whose rows the driver had not taken from Ray Data yet (up to three when the driver is
+    # starved of CPU); before the per-batch ledger a kill lost every row of the run
+    assert stored >= 12 and regenerated <= 4 * actors * batch, (stored, regenerated)
     cfg = build_config({"job_id": "killed", "bundle": "random:0", "input": str(src), "output": str(out),
                         "num_actors": 1, "batch_size": 4, "decode": {"method": "ar", "temperature": 0.0},
                         "progress": False, "resume": True})
