@@ -71,7 +71,7 @@ class BatchDecoder:
         if c.method != "ar":
             self.proposer = TreeProposer(b.drafter, b.target.head, gen.sampling.cfg_scale, rows,
                                          self.t + self.n + (depth_cap + 1) * (max_nodes + 1), gen.scorer)
-        self.static = static_children(c.tree.static_paths) if c.method == "static" else None
+        self._static: dict[int, dict] = {}  # static trees by depth cap: path -> child ranks
         self.budget = BatchBudget(gen.cost_table(), c.adaptive) if c.method == "adt" and c.adaptive.budget == "cost" else None
         self.slots: list[Slot | None] = [None] * capacity
         self._rows = [torch.tensor([b + i * capacity for i in range(self.cfg_rows)], device=gen.device)
@@ -156,13 +156,18 @@ class BatchDecoder:
                 depth, width = min(shape.depth, max_depth), shape.width
             else:
                 depth, width = min(c.tree.depth, max_depth), c.tree.top_k
-            static = None
-            if self.static is not None:
-                static = static_children(tuple(p for p in c.tree.static_paths if len(p) <= depth))
+            static = self._static_shape(depth) if c.method == "static" else None
             noise = g.noise_rows(s.seed_t, index, depth + 1)
             reqs[b] = DraftRequest(s.committed[-1], self.t + index - 1, depth, width, static,
                                    None if noise is None else noise[:depth])
         return reqs
+
+    def _static_shape(self, depth: int) -> dict[tuple[int, ...], list[int]]:
+        """The static tree cut to `depth` levels, built once per depth."""
+        if depth not in self._static:
+            paths = self.g.config.tree.static_paths
+            self._static[depth] = static_children(tuple(p for p in paths if len(p) <= depth))
+        return self._static[depth]
 
     def _tree(self, b: int, pool, m: int | None) -> tuple[DraftTree, int]:
         """Step 3: rerank slot b's candidates to its node budget; returns the tree and its width."""

@@ -61,10 +61,3 @@ def perturbed(mixed_logits: torch.Tensor, cfg: SamplingConfig, noise: torch.Tens
     if cfg.greedy or noise is None:
         return mixed_logits.float()
     return warp(mixed_logits, cfg) + noise.to(torch.float32)
-
-
-def sample_token(mixed_logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> int:
-    """One token from (V,) CFG-mixed logits: argmax when greedy, else a draw from p."""
-    if cfg.greedy:
-        return int(mixed_logits.argmax())
-    return int(torch.multinomial(target_probs(mixed_logits, cfg), 1, generator=generator))
