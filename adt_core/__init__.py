@@ -2,10 +2,11 @@
 LlamaGen-architecture visual autoregressive models. Torch only: no Ray, no storage."""
 
 from adt_core.config import AdaptiveConfig, DecodeConfig, LanternConfig, SamplingConfig, TreeConfig
-from adt_core.engine import GenerationResult, Generator, RoundTrace, StepStats
+from adt_core.engine import Generator
+from adt_core.results import GenerationResult, PromptFailure, RoundTrace, StepStats
 from adt_core.models.bundle import Bundle, load_bundle, random_bundle, save_bundle
 
 __all__ = [
     "AdaptiveConfig", "Bundle", "DecodeConfig", "GenerationResult", "Generator", "LanternConfig",
-    "RoundTrace", "SamplingConfig", "StepStats", "TreeConfig", "load_bundle", "random_bundle", "save_bundle",
+    "PromptFailure", "RoundTrace", "SamplingConfig", "StepStats", "TreeConfig", "load_bundle", "random_bundle", "save_bundle",
 ]

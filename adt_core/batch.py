@@ -31,7 +31,7 @@ from adt_core.sampling import cfg_mix
 from adt_core.tree import DraftTree, rerank, static_children
 
 if TYPE_CHECKING:
-    from adt_core.engine import StepStats
+    from adt_core.results import StepStats
 
 
 @dataclass
@@ -91,7 +91,7 @@ class BatchDecoder:
     def admit(self, items: list[tuple[int, str, int]], captions: torch.Tensor, cmask: torch.Tensor) -> list[Finished]:
         """Prefill `items` (index, prompt, seed) with encoded captions (n, T, C), (n, T) into free
         slots; returns those already finished (one-token images)."""
-        from adt_core.engine import StepStats
+        from adt_core.results import StepStats
 
         g = self.g
         t0 = g.timer.now()

@@ -114,7 +114,10 @@ class AdaptiveConfig:
     mode: str = "bisect"  # bisect | step
     l_d: int = 1
     l_k: int = 2
-    budget: str = "shape"  # shape | cost
+    # cost: the batch cost budget (adt_core/budget.py) sizes every round from this device's measured
+    # costs, and never drafts where it does not pay; shape: the paper's fixed n = gamma d k trees,
+    # slower wherever a verify forward is not flat in its width (a CPU, a large batch)
+    budget: str = "cost"  # cost | shape
 
     def __post_init__(self) -> None:
         f = lambda name: f"adaptive.{name}"  # noqa: E731
@@ -149,8 +152,8 @@ class LanternConfig:
 class DecodeConfig:
     """Everything that decides how images are decoded.
 
-    method: "ar" (vanilla, the baseline), "static" (fixed tree), "eagle2" (dynamic tree),
-        "adt" (adjacency-adaptive tree).
+    method: "adt" (default: adjacency-adaptive trees sized by the cost budget), "ar" (vanilla,
+        the baseline), "static" (fixed tree), "eagle2" (dynamic tree).
     temperature / top_k / top_p / cfg_scale: None takes the bundle's defaults.
     sampler: "coupled" (default: Gumbel-max noise fixed per (seed, position, token); every method
         gives AR's tokens for the same seed) or "rejection" (recursive rejection sampling,
@@ -165,7 +168,7 @@ class DecodeConfig:
         grid is filled with token 0. For tests and calibration only.
     """
 
-    method: str = "eagle2"
+    method: str = "adt"
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
@@ -175,7 +178,7 @@ class DecodeConfig:
     lantern: LanternConfig | None = None
     sampler: str = "coupled"
     draft_score: str = "perturbed"
-    batch_size: int = 8
+    batch_size: int = 64
     device: str = "cpu"
     dtype: str = "float32"
     max_tokens: int | None = None

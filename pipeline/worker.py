@@ -225,7 +225,7 @@ class GeneratorWorker:
     def _stream(self, prompts: list[str], seeds: list[int]) -> Iterator[tuple[int, Any]]:
         """(index, result or exception) per prompt as images finish: the whole batch in flight in
         one engine (continuous refill); after an engine error, the unfinished prompts one by one."""
-        from adt_core.engine import PromptFailure
+        from adt_core.results import PromptFailure
 
         if not prompts:
             return

@@ -6,7 +6,7 @@ import torch
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, TreeConfig, random_bundle
 from adt_core.batch import BatchDecoder
 from adt_core.calibrate import CostTable
-from adt_core.engine import PromptFailure
+from adt_core.results import PromptFailure
 
 PROMPTS = ["a red apple", "blue dog on grass", "sun", "green frog jumping high", "x y z"]
 SEEDS = [3, 14, 15, 92, 65]
