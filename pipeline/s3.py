@@ -1,4 +1,4 @@
-"""The s3:// half of pipeline.storage: boto3 for objects, pyarrow's S3FileSystem for Parquet.
+"""The s3:// backend of pipeline.storage: boto3 for objects, pyarrow's S3FileSystem for Parquet.
 
 Both are built from the same endpoint, region and credentials (the standard AWS chain).
 Retries are ours (pipeline.retry, a time budget): botocore and pyarrow each make one quick
@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
-from pipeline.storage import DEFAULT_RETRY_BUDGET_S, Location, Storage, check_key
+from pipeline.storage_base import DEFAULT_RETRY_BUDGET_S, Location, Storage, check_key
 
 if TYPE_CHECKING:
     from pipeline.config import StorageSettings
