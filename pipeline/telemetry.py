@@ -4,23 +4,30 @@ One row per prompt and attempt that finished. Column names follow the peers (vLL
 mean_acceptance_length / draft_acceptance_rate / num_spec_steps / num_draft_tokens /
 num_accepted_draft_tokens) so reports read like theirs.
 
-Vocabulary: a *round* is one draft + verify step of the speculative loop; its *accepted
-length* counts the accepted draft tokens plus the bonus token the target adds, so vanilla AR
-has acceptance length 1 per step.
+Vocabulary (adt_core/results.py): a *round* is one draft + verify step of the speculative
+loop. It commits its accepted drafted tokens plus one bonus token from the target.
+`accepted_lengths` and a round's `accepted` count accepted DRAFTED tokens (bonus excluded);
+`mean_acceptance_length` is tokens committed per round, 1 + accepted / rounds (bonus
+included: 1.0 for vanilla AR).
+
+Rows are built from the engine's typed results (`GenerationResult`, `StepStats`,
+`RoundTrace`), whose fields are read directly: a renamed field fails, never reads as 0.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import math
 import statistics
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import numpy as np
 import pyarrow as pa
+
+if TYPE_CHECKING:  # the driver reads rows without importing torch
+    from adt_core.results import GenerationResult, RoundTrace
 
 TELEMETRY_DIR = "telemetry"
 STATUS_OK = "ok"
@@ -32,7 +39,7 @@ ROUND_TYPE = pa.struct(
         ("depth", pa.int16()),  # draft tree depth used
         ("width", pa.int16()),  # draft tree width (top-k) used
         ("nodes", pa.int32()),  # draft nodes verified
-        ("accepted", pa.int16()),  # accepted draft tokens (bonus token not counted)
+        ("accepted", pa.int16()),  # accepted drafted tokens (bonus token not counted)
         ("draft_ms", pa.float32()),
         ("verify_ms", pa.float32()),
     ]
@@ -59,14 +66,16 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("grid_h", pa.int16(), "token grid height"),
     ("grid_w", pa.int16(), "token grid width"),
     ("tokens", pa.list_(pa.int16()), "token grid, row-major, grid_h * grid_w ids"),
-    ("num_spec_steps", pa.int64(), "speculative rounds (draft + verify steps; 0 for vanilla AR)"),
+    ("num_spec_steps", pa.int64(), "rounds of a speculative method (draft + verify; plain steps the budget chose "
+     "count with 0 drafted); 0 for vanilla AR"),
     ("num_target_forwards", pa.int64(), "target forward passes, prefill included"),
     ("num_draft_forwards", pa.int64(), "drafter forward passes"),
     ("num_draft_tokens", pa.int64(), "draft tokens verified by the target"),
-    ("num_accepted_draft_tokens", pa.int64(), "draft tokens accepted"),
-    ("mean_acceptance_length", pa.float64(), "tokens decided per target forward (accepted + bonus)"),
+    ("num_accepted_draft_tokens", pa.int64(), "drafted tokens accepted (bonus tokens not counted)"),
+    ("mean_acceptance_length", pa.float64(), "tokens committed per round: 1 + num_accepted_draft_tokens / "
+     "num_spec_steps (the bonus token included; 1.0 for vanilla AR)"),
     ("draft_acceptance_rate", pa.float64(), "num_accepted_draft_tokens / num_draft_tokens (null without drafts)"),
-    ("accepted_lengths", pa.list_(pa.int16()), "accepted draft tokens per round"),
+    ("accepted_lengths", pa.list_(pa.int16()), "accepted drafted tokens per round (bonus token not counted)"),
     ("generation_time_ms", pa.float64(), "engine time for this image (an AR batch's shared time is split evenly)"),
     ("draft_time_ms", pa.float64(), "time spent drafting"),
     ("verify_time_ms", pa.float64(), "time spent in target verification"),
@@ -142,10 +151,10 @@ def tokens_to_list(tokens: Any) -> tuple[int, int, list[int]]:
     return int(arr.shape[0]), int(arr.shape[1]), arr.astype(np.int16).reshape(-1).tolist()
 
 
-def _round(r: Any) -> dict[str, Any]:
-    """A round trace (dict or dataclass such as adt_core.RoundTrace) -> the struct's fields."""
-    d = dataclasses.asdict(r) if dataclasses.is_dataclass(r) else dict(r)
-    return {name: d.get(name) for name in ROUND_TYPE.names}
+def _round(r: "RoundTrace") -> dict[str, Any]:
+    """One round of the engine's trace -> the `rounds` struct (ROUND_TYPE)."""
+    return {"position": r.position, "depth": r.depth, "width": r.width, "nodes": r.nodes, "accepted": r.accepted,
+            "draft_ms": r.draft_ms, "verify_ms": r.verify_ms}
 
 
 def image_size(image: Any) -> tuple[Optional[int], Optional[int]]:
@@ -158,44 +167,42 @@ def image_size(image: Any) -> tuple[Optional[int], Optional[int]]:
     return (int(shape[1]), int(shape[0])) if shape is not None and len(shape) >= 2 else (None, None)
 
 
-def ok_row(ctx: RowContext, prompt_id: str, seed: int, image_key: Optional[str], result: Any,
+def ok_row(ctx: RowContext, prompt_id: str, seed: int, image_key: Optional[str], result: "GenerationResult",
            prompt: Optional[str] = None) -> dict[str, Any]:
     """The row of one successful GenerationResult (tokens, image already stored, stats)."""
     s = result.stats
     row = _base_row(ctx, prompt_id, seed, prompt)
     h, w, ids = tokens_to_list(result.tokens)
-    row["width"], row["height"] = image_size(getattr(result, "image", None))
-    drafted = int(getattr(s, "draft_tokens", 0) or 0)
-    accepted = int(getattr(s, "accepted_draft_tokens", 0) or 0)
+    row["width"], row["height"] = image_size(result.image)
     row.update(
         status=STATUS_OK,
         image_key=image_key,
-        lossy=bool(getattr(s, "lossy", False)),
-        sampler=getattr(s, "sampler", None),
+        lossy=s.lossy,
+        sampler=s.sampler,
         grid_h=h,
         grid_w=w,
         tokens=ids,
-        num_spec_steps=int(getattr(s, "num_spec_steps", None) or len(getattr(s, "accepted_lengths", None) or [])),
-        num_target_forwards=int(getattr(s, "target_forwards", 0) or 0),
-        num_draft_forwards=int(getattr(s, "draft_forwards", 0) or 0),
-        num_draft_tokens=drafted,
-        num_accepted_draft_tokens=accepted,
-        mean_acceptance_length=_opt_float(getattr(s, "mean_acceptance_length", None)),
-        draft_acceptance_rate=(accepted / drafted) if drafted else None,
-        accepted_lengths=[int(a) for a in (getattr(s, "accepted_lengths", None) or [])],
-        generation_time_ms=_opt_float(getattr(s, "total_ms", None)),
-        draft_time_ms=_opt_float(getattr(s, "draft_ms", None)),
-        verify_time_ms=_opt_float(getattr(s, "verify_ms", None)),
-        estimated_speedup=_opt_float(getattr(s, "estimated_speedup", None)),
-        rounds=[_round(r) for r in (getattr(s, "rounds", None) or [])],
+        num_spec_steps=s.num_spec_steps,
+        num_target_forwards=s.target_forwards,
+        num_draft_forwards=s.draft_forwards,
+        num_draft_tokens=s.draft_tokens,
+        num_accepted_draft_tokens=s.accepted_draft_tokens,
+        mean_acceptance_length=s.mean_acceptance_length,
+        draft_acceptance_rate=(s.accepted_draft_tokens / s.draft_tokens) if s.draft_tokens else None,  # null, not 0
+        accepted_lengths=list(s.accepted_lengths),
+        generation_time_ms=s.total_ms,
+        draft_time_ms=s.draft_ms,
+        verify_time_ms=s.verify_ms,
+        estimated_speedup=_opt_float(s.estimated_speedup),
+        rounds=[_round(r) for r in s.rounds],
     )
     return row
 
 
-def add_baseline(row: dict[str, Any], baseline: Any) -> None:
+def add_baseline(row: dict[str, Any], baseline: "GenerationResult") -> None:
     """Record a vanilla AR decode of the same prompt: its time, the measured speedup, and
     whether it produced the same tokens."""
-    base_ms = _opt_float(getattr(baseline.stats, "total_ms", None))
+    base_ms = baseline.stats.total_ms
     row["baseline_time_ms"] = base_ms
     gen_ms = row.get("generation_time_ms")
     row["speedup"] = (base_ms / gen_ms) if base_ms and gen_ms else None

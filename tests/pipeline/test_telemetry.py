@@ -4,7 +4,9 @@ from types import SimpleNamespace
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 
+from adt_core.results import GenerationResult, RoundTrace, StepStats
 from pipeline.ledger import latest_per_prompt
 from pipeline.telemetry import (
     SCHEMA,
@@ -23,15 +25,15 @@ CTX = RowContext(job_id="j", bundle="tiny", method="eagle2", config_hash="abc", 
 
 
 def fake_result(total_ms=100.0, tokens=None):
-    stats = SimpleNamespace(
+    """A real engine result (adt_core.results types), so a renamed field fails here."""
+    stats = StepStats(
         target_forwards=5, draft_forwards=20, draft_tokens=40, accepted_draft_tokens=10,
-        mean_acceptance_length=3.0, accepted_lengths=[2, 3, 1, 4, 0], draft_ms=30.0, verify_ms=60.0,
-        total_ms=total_ms, rounds=[{"position": 1, "depth": 5, "width": 10, "nodes": 8, "accepted": 2,
-                                    "draft_ms": 1.0, "verify_ms": 2.0}],
-        lossy=False, estimated_speedup=2.5,
+        accepted_lengths=[2, 3, 1, 4, 0], draft_ms=30.0, verify_ms=60.0, total_ms=total_ms,
+        rounds=[RoundTrace(position=1, depth=5, width=10, nodes=8, accepted=2, draft_ms=1.0, verify_ms=2.0)],
+        lossy=False, sampler="coupled", estimated_speedup=2.5,
     )
-    grid = np.arange(16).reshape(4, 4) if tokens is None else tokens
-    return SimpleNamespace(tokens=grid, image=np.zeros((16, 16, 3), np.uint8), stats=stats)
+    grid = torch.arange(16).reshape(4, 4) if tokens is None else torch.as_tensor(tokens)
+    return GenerationResult(prompt="x", seed=7, tokens=grid, image=np.zeros((16, 16, 3), np.uint8), stats=stats)
 
 
 def test_ok_row_fills_schema():
@@ -43,6 +45,28 @@ def test_ok_row_fills_schema():
     assert r["num_spec_steps"] == 5 and r["num_target_forwards"] == 5 and r["num_draft_tokens"] == 40 and r["draft_acceptance_rate"] == 0.25
     assert r["rounds"][0]["nodes"] == 8 and r["estimated_speedup"] == 2.5 and r["speedup"] is None
     assert all(f.metadata[b"doc"] for f in SCHEMA)
+
+
+def test_acceptance_vocabulary():
+    # accepted_lengths: accepted DRAFTED tokens per round (bonus excluded); mean acceptance
+    # length: tokens committed per round, 1 + accepted / rounds (bonus included)
+    r = ok_row(CTX, "p1", 7, "images/p1.png", fake_result())
+    assert r["accepted_lengths"] == [2, 3, 1, 4, 0] and r["num_accepted_draft_tokens"] == 10
+    assert r["mean_acceptance_length"] == pytest.approx(1 + 10 / 5) and r["num_spec_steps"] == 5
+    ar = fake_result()
+    ar.stats = StepStats(target_forwards=16, total_ms=5.0, sampler="greedy")  # vanilla AR: no rounds, no drafts
+    row = ok_row(CTX, "p2", 7, "images/p2.png", ar)
+    assert (row["num_spec_steps"], row["mean_acceptance_length"], row["draft_acceptance_rate"]) == (0, 1.0, None)
+    assert row["accepted_lengths"] == [] and row["rounds"] == []
+
+
+def test_a_result_missing_a_field_fails_loudly():
+    res = fake_result()  # the same stats with one field renamed: no silent 0
+    fields = {k: getattr(res.stats, k) for k in (*vars(res.stats), "num_spec_steps", "mean_acceptance_length")}
+    fields["drafted"] = fields.pop("draft_tokens")
+    res.stats = SimpleNamespace(**fields)
+    with pytest.raises(AttributeError, match="draft_tokens"):
+        ok_row(CTX, "p1", 7, "images/p1.png", res)
 
 
 def test_failed_row_and_baseline():
