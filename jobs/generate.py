@@ -18,26 +18,11 @@ import argparse
 import json
 import logging
 import sys
-import typing
-from typing import Literal, Optional
+from typing import Optional
 
-from pipeline.config import ConfigError, FieldSpec, leaf_fields, load_config, parse_cli_value
+from pipeline.cli import add_job_flags, job_overrides
+from pipeline.config import ConfigError, load_config
 from pipeline.driver import EXIT_BAD_INPUT, main_guarded
-
-
-def _flag(spec: FieldSpec) -> str:
-    return "--" + spec.dotted.replace("_", "-")
-
-
-def _help(spec: FieldSpec) -> str:
-    text = spec.description
-    if typing.get_origin(spec.annotation) is Literal:
-        text += f" Choices: {', '.join(map(str, typing.get_args(spec.annotation)))}."
-    if spec.default is not None and spec.annotation is not bool:
-        text += f" [default: {spec.default}]"
-    elif spec.optional and spec.annotation is not bool:
-        text += " [default: none]"
-    return text.replace("%", "%%")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,23 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # `--num-act 3` must not silently mean --num-actors
     )
-    p.add_argument("--config", metavar="FILE", help="YAML or JSON JobConfig file (a saved job.json works); flags override it.")
     p.add_argument("--print-config", action="store_true", help="Print the resolved config (job.json form) and exit.")
-    for spec in leaf_fields():
-        kwargs = {"dest": spec.dotted, "default": argparse.SUPPRESS, "help": _help(spec)}
-        if spec.annotation is bool:
-            p.add_argument(_flag(spec), action=argparse.BooleanOptionalAction, **kwargs)
-        else:
-            p.add_argument(_flag(spec), metavar=spec.dotted.rsplit(".", 1)[-1].upper(), **kwargs)
+    add_job_flags(p)
     return p
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = vars(build_parser().parse_args(argv))
-    specs = {s.dotted: s for s in leaf_fields()}
     try:
-        overrides = {k: (v if isinstance(v, bool) else parse_cli_value(specs[k], v)) for k, v in args.items() if k in specs}
-        cfg = load_config(args.get("config"), overrides)
+        cfg = load_config(args.get("config"), job_overrides(args))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

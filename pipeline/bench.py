@@ -20,9 +20,11 @@ batch. Extra flags are JobConfig flags (see
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any
@@ -37,9 +39,9 @@ def engine_alone(cfg, prompts: list[str], seeds: list[int], threads: int) -> dic
     from pipeline.worker import load_bundle_spec
 
     torch.set_num_threads(threads)
-    gen = adt_core.Generator(load_bundle_spec(cfg.bundle), adt_core.DecodeConfig.from_dict(cfg.decode.engine_dict("cpu")))
+    gen = adt_core.Generator(load_bundle_spec(cfg.bundle), cfg.decode.engine_config("cpu"))
     gen.generate(prompts[:1], seeds[:1])  # warm-up
-    b = cfg.rows_per_call("cpu")
+    b = cfg.rows_per_call()
     times = []
     for i in range(0, len(prompts), b):
         t0 = time.perf_counter()
@@ -77,7 +79,7 @@ def pipeline_run(cfg) -> dict[str, Any]:
     tel = pq.read_table(cfg.output + "/telemetry").to_pylist()
     ok = sorted((r for r in tel if r["status"] == "ok"), key=lambda r: r["finished_at"])
     done = [r["finished_at"].timestamp() for r in ok]
-    first = min(cfg.rows_per_call("cpu"), len(done))
+    first = min(cfg.rows_per_call(), len(done))
     steady = wall = None
     if len(done) > first and done[-1] > done[first - 1]:
         wall = done[-1] - done[first - 1]
@@ -95,21 +97,25 @@ def pipeline_run(cfg) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jobs.generate import build_parser
-    from pipeline.config import leaf_fields, load_config, parse_cli_value
+    from pipeline.cli import add_job_flags, job_overrides
+    from pipeline.config import ConfigError, load_config
     from pipeline.prompts import derived_seed
 
-    parser = build_parser()
-    parser.description = __doc__.split("\n\n")[0]
+    parser = argparse.ArgumentParser(prog="python -m pipeline.bench", description=__doc__.split("\n\n")[0],
+                                     allow_abbrev=False)
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides [default: 1]")
     parser.add_argument("--repeats", type=int, default=2, help="alternating engine/pipeline rounds (medians reported) [default: 2]")
+    add_job_flags(parser)
     args = vars(parser.parse_args(argv))
-    specs = {s.dotted: s for s in leaf_fields()}
-    over = {k: (v if isinstance(v, bool) else parse_cli_value(specs[k], v)) for k, v in args.items() if k in specs}
     out = tempfile.mkdtemp(prefix="pipeline-bench-")
-    over.update(output=out + "/out0", num_actors=1, cpus_per_actor=float(args["threads"]), progress=False,
-                device="cpu", resume=False)
-    cfg = load_config(args.get("config"), over)
+    try:
+        over = job_overrides(args)
+        over.update(output=out + "/out0", num_actors=1, cpus_per_actor=float(args["threads"]), progress=False,
+                    device="cpu", resume=False)
+        cfg = load_config(args.get("config"), over)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2  # as jobs.generate: a bad config
     table = pq.read_table(cfg.input).slice(0, cfg.limit or None).to_pylist()
     prompts = [r["prompt"] for r in table]
     seeds = [r.get("seed") if r.get("seed") is not None else derived_seed(r["prompt_id"], cfg.seed) for r in table]
@@ -120,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         engines.append(engine_in_fresh_process(cfg, prompts, seeds, args["threads"]))
         pipes.append(pipeline_run(cfg.model_copy(update={"output": f"{out}/out{r}"})))
     med = lambda runs, k: statistics.median(x[k] for x in runs if x.get(k) is not None) if any(x.get(k) for x in runs) else None  # noqa: E731
-    result = {"bundle": cfg.bundle, "decode": cfg.decode.model_dump(), "batch_size": cfg.rows_per_call("cpu"),
+    result = {"bundle": cfg.bundle, "decode": cfg.decode.model_dump(), "batch_size": cfg.rows_per_call(),
               "threads": args["threads"], "images": len(prompts), "engine_runs": engines, "pipeline_runs": pipes}
     for name, k in (("total", "images_per_second"), ("steady", "steady_images_per_second")):
         e, p = med(engines, k), med(pipes, k)

@@ -3,7 +3,9 @@
 `JobConfig` is built once at the entry point (defaults < YAML/JSON file < command-line
 overrides), validated by pydantic, saved as `job.json` beside the outputs and passed as a
 plain dict to every worker. Every field carries its documentation; `jobs.generate --help`
-is generated from these descriptions, so this file is the option reference.
+is generated from these descriptions, so this file is the option reference. The `decode`
+section is the engine's own DecodeConfig (pipeline/decode_config.py): its fields, defaults
+and rules come from adt_core.config.
 
 Errors name the offending field with its dotted path, e.g. ``decode.tree.depth: ...``.
 """
@@ -23,6 +25,8 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline.decode_config import DecodeSection, EngineFieldError, SubSection
 
 CONFIG_FILE = "job.json"
 DEFAULT_INPUT = "examples/prompts.parquet"  # in a checkout; installed wheels carry a copy (packaged_input)
@@ -44,65 +48,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
-class TreeSettings(_Strict):
-    """Shape of the draft tree (EAGLE-2 defaults for visual AR)."""
-
-    depth: int = Field(5, ge=1, le=64, description="Draft tree depth (levels drafted per round).")
-    top_k: int = Field(10, ge=1, le=1024, description="Children expanded per node and frontier size per level.")
-    budget: int = Field(58, ge=1, le=4096, description="Draft nodes kept after reranking (verified per round).")
-
-
-# images in flight per engine by device kind (measured: docs/bench.md, `python -m jobs.bench --throughput`)
-ENGINE_BATCH = {"cpu": 64, "cuda": 64}
-ROWS_PER_ENGINE_SLOT = 4
-
-
-class DecodeSettings(_Strict):
-    """How each image is decoded; mirrors adt_core's DecodeConfig (None = the bundle's default)."""
-
-    method: Literal["ar", "static", "eagle2", "adt"] = Field(
-        "adt", description="Decoder: ar (vanilla baseline), static tree, eagle2 (dynamic tree), adt (adaptive tree)."
-    )
-    temperature: Optional[float] = Field(None, ge=0.0, allow_inf_nan=False, description="Sampling temperature; 0 = greedy; none = bundle default.")
-    top_k: Optional[int] = Field(None, ge=0, description="Top-k sampling filter (0 = off); none = bundle default.")
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0, allow_inf_nan=False, description="Top-p (nucleus) filter; none = bundle default.")
-    cfg_scale: Optional[float] = Field(None, ge=1.0, allow_inf_nan=False, description="Classifier-free guidance scale; none = bundle default.")
-    tree: TreeSettings = Field(default_factory=TreeSettings, description="Draft tree shape.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Model compute dtype.")
-    max_tokens: Optional[int] = Field(
-        None, ge=1, description="Stop after this many image tokens (tests/calibration only); none = whole grid."
-    )
-    adaptive: Optional[dict[str, Any]] = Field(
-        default_factory=lambda: {"budget": "cost"},
-        description="ADT-Tree controller overrides (JSON object of AdaptiveConfig fields), method adt only; "
-        "the default cost-aware budget sizes trees from this device's measured forward costs.",
-    )
-    lantern: Optional[dict[str, Any]] = Field(
-        None, description="LANTERN relaxed acceptance (JSON object: k, delta, lam); lossy; none = exact decoding."
-    )
-    sampler: Literal["coupled", "rejection"] = Field(
-        "coupled", description="coupled = Gumbel noise fixed per (seed, position, token): every method and batch gives "
-        "AR's image for the same seed; rejection = recursive rejection sampling (same law, other images)."
-    )
-    draft_score: Literal["perturbed", "logq"] = Field(
-        "perturbed", description="Path score of coupled drafts for reranking and the cost budget (docs/adt_tree.md)."
-    )
-    batch_size: Optional[int] = Field(
-        None, ge=1, le=1024,
-        description="Images in flight per actor (one engine, continuous refill); none = the measured default of the "
-        f"device kind ({ENGINE_BATCH['cpu']} on CPU, {ENGINE_BATCH['cuda']} on CUDA; docs/bench.md).",
-    )
-
-    def engine_batch(self, device: str) -> int:
-        """Images in flight on `device` ('cpu', 'cuda', 'cuda:0', ...)."""
-        return self.batch_size or ENGINE_BATCH["cuda" if device.startswith("cuda") else "cpu"]
-
-    def engine_dict(self, device: str) -> dict[str, Any]:
-        """The keyword dict for `adt_core.DecodeConfig.from_dict` on `device`."""
-        d = self.model_dump(exclude_none=True)
-        d["device"] = device
-        d["batch_size"] = self.engine_batch(device)
-        return d
+ROWS_PER_ENGINE_SLOT = 4  # prompts per worker call per image in flight: a finished image's slot has a next prompt
 
 
 class StorageSettings(_Strict):
@@ -156,7 +102,10 @@ class JobConfig(_Strict):
         "emoji16",
         description="Model bundle: an embedded name, a directory path, or 'random[:seed]' (tiny random weights, for tests).",
     )
-    decode: DecodeSettings = Field(default_factory=DecodeSettings, description="Decoding settings.")
+    decode: DecodeSection = Field(
+        default_factory=DecodeSection,
+        description="Decoding: the engine's DecodeConfig (adt_core/config.py) less its device, which each actor sets.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto = one GPU per actor when the cluster has GPUs, else CPU actors; cuda = require GPUs."
     )
@@ -170,7 +119,7 @@ class JobConfig(_Strict):
     batch_size: Optional[int] = Field(
         None, ge=1, le=65536,
         description="Prompts per worker call (a Ray Data batch, streamed through one engine); none = "
-        f"{ROWS_PER_ENGINE_SLOT} x the engine's in-flight size, so a finished image's slot always has a next prompt.",
+        f"{ROWS_PER_ENGINE_SLOT} x decode.batch_size (images in flight), so a finished image's slot always has a next prompt.",
     )
     output_format: Literal["files", "webdataset", "parquet"] = Field(
         "files", description="files = images/<id>.png plus images/metadata.parquet (datasets' imagefolder); "
@@ -257,9 +206,9 @@ class JobConfig(_Strict):
             self.output = str(Path("outputs") / self.job_id)
         return self
 
-    def rows_per_call(self, device: str) -> int:
-        """Prompts per worker call (Ray Data batch) on `device`."""
-        return self.batch_size or ROWS_PER_ENGINE_SLOT * self.decode.engine_batch(device)
+    def rows_per_call(self) -> int:
+        """Prompts per worker call (Ray Data batch)."""
+        return self.batch_size or ROWS_PER_ENGINE_SLOT * self.decode.batch_size
 
     def config_hash(self) -> str:
         """Hash of what decides the images and rows (bundle, decoding, seeding, validation).
@@ -291,6 +240,10 @@ def format_validation_error(err: ValidationError) -> str:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
+        engine = (e.get("ctx") or {}).get("error")
+        if isinstance(engine, EngineFieldError):  # the engine's own rule: name its field
+            lines.append(f"{'.'.join(filter(None, (where, engine.field)))}: {engine.message}")
+            continue
         got = e.get("input")
         secret = where.endswith("endpoint_url") or (isinstance(got, str) and "@" in got and "://" in got)
         quiet = e["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) or secret
@@ -372,6 +325,9 @@ def leaf_fields(model: type[BaseModel] = JobConfig, prefix: str = "") -> list[Fi
         tp, optional = _strip_optional(info.annotation)
         dotted = prefix + name
         if isinstance(tp, type) and issubclass(tp, BaseModel):
+            if issubclass(tp, SubSection):  # also settable whole: --decode.lantern '{"delta": 0.3}' or none
+                whole = f"{info.description} One JSON object of the fields below."
+                out.append(FieldSpec(dotted, dict, optional, None, whole))
             out.extend(leaf_fields(tp, dotted + "."))
             continue
         default = info.default_factory() if info.default_factory is not None else info.default
@@ -384,7 +340,7 @@ def parse_cli_value(spec: FieldSpec, raw: str) -> Any:
     if spec.optional and raw.strip().lower() in ("none", "null", ""):
         return None
     origin = typing.get_origin(spec.annotation)
-    if spec.annotation in (dict, list) or origin in (dict, list):
+    if spec.annotation in (dict, list) or origin in (dict, list, tuple):
         try:
             return yaml.safe_load(raw)
         except yaml.YAMLError as e:

@@ -81,7 +81,7 @@ def _run_pool(cfg: JobConfig, source: PromptSource, todo: list[str], ledger: Led
     from ray.data import ActorPoolStrategy, DataContext
 
     plan = plan_actors(cfg, resources, num_prompts=len(todo), can_grow=address != "local", waited_s=waited_s)
-    rows = cfg.rows_per_call(plan.device)
+    rows = cfg.rows_per_call()
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) > 1 and not is_remote(cfg.output):
         say(f"WARNING: {len(nodes)} nodes but a local output path: images land on each worker's own disk")
@@ -89,7 +89,7 @@ def _run_pool(cfg: JobConfig, source: PromptSource, todo: list[str], ledger: Led
         say(note)
     say(f"{len(todo)} prompt(s) to generate on {plan.num_actors} {plan.device} actor(s) "
         f"({plan.num_gpus:g} GPU, {plan.num_cpus:g} CPU each), {rows} prompts per call, "
-        f"{cfg.decode.engine_batch(plan.device)} in flight per actor")
+        f"{cfg.decode.batch_size} in flight per actor")
 
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = cfg.progress

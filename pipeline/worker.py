@@ -145,11 +145,10 @@ class GeneratorWorker:
         self.storage = open_storage(self.cfg.output, self.cfg.storage)
         t0 = time.perf_counter()
         self.bundle = load_bundle_spec(self.cfg.bundle, self.cfg.storage)
-        decode = self.cfg.decode.engine_dict(self.device)
-        self.generator = adt_core.Generator(self.bundle, adt_core.DecodeConfig.from_dict(decode))
+        self.generator = adt_core.Generator(self.bundle, self.cfg.decode.engine_config(self.device))
         self.baseline = None
         if self.cfg.baseline_fraction > 0:
-            self.baseline = adt_core.Generator(self.bundle, adt_core.DecodeConfig.from_dict({**decode, "method": "ar"}))
+            self.baseline = adt_core.Generator(self.bundle, self.cfg.decode.engine_config(self.device, method="ar"))
         actor, node, self.in_actor = _ray_context()
         dev_name = self.device
         if self.device.startswith("cuda"):

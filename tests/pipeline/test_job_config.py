@@ -1,15 +1,87 @@
+import dataclasses
 import json
 
 import pytest
 
+from adt_core.config import AdaptiveConfig, DecodeConfig, LanternConfig, TreeConfig
+from jobs.generate import main as cli_main
 from pipeline.config import ConfigError, JobConfig, build_config, leaf_fields, load_config, parse_cli_value
+from pipeline.decode_config import FIELD_DOCS
+from pipeline.driver import EXIT_BAD_INPUT
 
 
 def test_defaults_fill_job_id_and_output():
     cfg = build_config({})
     assert cfg.job_id and cfg.output == f"outputs/{cfg.job_id}"
     assert cfg.input == "examples/prompts.parquet" and cfg.bundle == "emoji16"
-    assert cfg.decode.method == "adt" and cfg.decode.adaptive == {"budget": "cost"} and cfg.decode.tree.depth == 5
+    assert cfg.decode.method == "adt" and cfg.decode.adaptive.budget == "cost" and cfg.decode.tree.depth == 5
+
+
+def test_decode_defaults_are_the_engines():
+    # one config tree: the job's decode section builds exactly the engine's default DecodeConfig
+    assert build_config({}).decode.engine_config("cpu") == DecodeConfig(device="cpu")
+    assert build_config({}).rows_per_call() == 4 * DecodeConfig().batch_size
+    engine = {"decode." + f.name for f in dataclasses.fields(DecodeConfig) if f.name != "device"}
+    for name, cls in (("tree", TreeConfig), ("adaptive", AdaptiveConfig), ("lantern", LanternConfig)):
+        engine |= {f"decode.{name}.{f.name}" for f in dataclasses.fields(cls)}
+    specs = {s.dotted for s in leaf_fields()}
+    assert engine <= specs  # every engine field is an option (device is set per actor)
+    assert "decode.device" not in specs
+
+
+def test_job_yaml_reaches_the_engine(tmp_path):
+    f = tmp_path / "job.yaml"
+    f.write_text("decode:\n  method: static\n  adaptive: {d_max: 6}\n  lantern: {delta: 0.25}\n"
+                 "  tree:\n    depth: 3\n    static_paths: [[0], [1], [0, 0], [0, 0, 0]]\n")
+    cfg = load_config(f, {"decode.adaptive.beta": "0.7", "decode.lantern.k": "20"})
+    dc = cfg.decode.engine_config("cuda:0")
+    assert isinstance(dc, DecodeConfig) and dc.device == "cuda:0" and dc.method == "static"
+    assert dc.adaptive == AdaptiveConfig(d_max=6, beta=0.7)  # other fields: the engine's defaults
+    assert dc.lantern == LanternConfig(k=20, delta=0.25)
+    assert dc.tree == TreeConfig(depth=3, static_paths=((0,), (1,), (0, 0), (0, 0, 0)))
+    assert cfg.decode.engine_config("cpu", method="ar").method == "ar"  # the baseline's config
+    saved = json.loads(cfg.to_json())["decode"]  # job.json holds every engine field
+    assert saved["tree"]["static_paths"] == [[0], [1], [0, 0], [0, 0, 0]] and saved["lantern"]["lam"] is None
+    again = build_config({"decode": saved})
+    assert again.decode.engine_config("cuda:0") == dc
+
+
+def test_lantern_set_whole_or_off_from_the_command_line():
+    specs = {s.dotted: s for s in leaf_fields()}
+    on = build_config(overrides={"decode.lantern": parse_cli_value(specs["decode.lantern"], '{"delta": 0.3}')})
+    assert on.decode.engine_config("cpu").lantern == LanternConfig(delta=0.3)
+    off = build_config({"decode": {"lantern": {"k": 5}}}, {"decode.lantern": parse_cli_value(specs["decode.lantern"], "none")})
+    assert off.decode.lantern is None
+    tree = parse_cli_value(specs["decode.tree.static_paths"], "[[0], [1]]")
+    assert build_config(overrides={"decode.tree.static_paths": tree}).decode.tree.static_paths == ((0,), (1,))
+
+
+@pytest.mark.parametrize(
+    "data, where",
+    [
+        ({"decode": {"adaptive": {"d_max": 0}}}, "decode.adaptive.d_max: must be an integer >= 1 (got 0)"),
+        ({"decode": {"adaptive": {"d_min": 9, "d_max": 3}}}, "decode.adaptive.d_min: must be <= adaptive.d_max (3)"),
+        ({"decode": {"adaptive": {"budget": "costly"}}}, "decode.adaptive.budget: must be shape or cost"),
+        ({"decode": {"lantern": {"delta": 1.5}}}, "decode.lantern.delta: must be in [0, 1] (got 1.5)"),
+        ({"decode": {"lantern": {"lam": 0.5}}}, "decode.lantern.lam: must be none or a number >= 1"),
+        ({"decode": {"tree": {"static_paths": [[0], [1, 0]]}}}, "decode.tree.static_paths: static path (1, 0) lacks"),
+        ({"decode": {"temperature": float("inf")}}, "decode.temperature: must be a finite number >= 0"),
+        ({"decode": {"adaptive": {"dmax": 4}}}, "decode.adaptive.dmax: unknown field"),
+        ({"decode": {"device": "cuda"}}, "decode.device: unknown field"),  # set per actor (JobConfig.device)
+    ],
+)
+def test_engine_rules_name_the_field(data, where):
+    with pytest.raises(ConfigError) as e:
+        build_config(data)
+    assert where in str(e.value)
+
+
+def test_bad_decode_file_exits_2_with_one_clear_line(tmp_path, capsys):
+    f = tmp_path / "job.yaml"
+    f.write_text("decode:\n  adaptive: {d_max: 1}\n")  # below d_min
+    assert cli_main(["--config", str(f), "--print-config"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["error: invalid job config:", "  decode.adaptive.d_min: must be <= adaptive.d_max (1) (got 2)"]
 
 
 def test_file_then_overrides(tmp_path):
@@ -79,11 +151,11 @@ def test_every_leaf_is_documented_and_parses():
     assert all(s.description for s in specs.values())
     assert parse_cli_value(specs["limit"], "none") is None
     assert parse_cli_value(specs["decode.adaptive"], '{"d0": 4}') == {"d0": 4}
+    assert parse_cli_value(specs["decode.adaptive.d0"], "4") == "4"  # pydantic coerces, naming the field
+    assert set(FIELD_DOCS) >= {s.dotted.removeprefix("decode.") for s in specs.values() if s.dotted.startswith("decode.")}
     assert parse_cli_value(specs["job_id"], "0123") == "0123"  # stays a string
 
 
-def test_engine_dict_drops_unset_fields():
-    cfg = build_config({"decode": {"temperature": 0.0}})
-    d = cfg.decode.engine_dict("cpu")
-    assert d["temperature"] == 0.0 and d["device"] == "cpu" and "top_p" not in d
-    assert d["tree"] == {"depth": 5, "top_k": 10, "budget": 58}
+def test_unset_sampling_fields_take_the_bundles_defaults():
+    dc = build_config({"decode": {"temperature": 0.0}}).decode.engine_config("cpu")
+    assert dc.temperature == 0.0 and dc.top_p is None and dc.tree == TreeConfig()
