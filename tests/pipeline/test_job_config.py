@@ -159,3 +159,18 @@ def test_every_leaf_is_documented_and_parses():
 def test_unset_sampling_fields_take_the_bundles_defaults():
     dc = build_config({"decode": {"temperature": 0.0}}).decode.engine_config("cpu")
     assert dc.temperature == 0.0 and dc.top_p is None and dc.tree == TreeConfig()
+
+
+def test_docs_decode_section_matches_the_cli(capsys):
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "pipeline.md").read_text()
+    section = doc[doc.index("### The decode section"):]
+    example, error = re.findall(r"```(?:yaml)?\n(.*?)```", section, re.S)[:2]
+    dc = build_config(yaml.safe_load(example)).decode.engine_config("cpu")  # the documented file is valid
+    assert dc.method == "static" and dc.adaptive.d_max == 6 and dc.lantern == LanternConfig(delta=0.25)
+    assert cli_main(["--decode.adaptive.d-max", "1", "--print-config"]) == EXIT_BAD_INPUT
+    assert capsys.readouterr().err == error  # what the docs show is what the command prints
