@@ -8,7 +8,8 @@ job can set every engine field from YAML or the command line (`decode.adaptive.d
 the engine. Only `device` is left out: each actor sets it (JobConfig.device).
 
 What this module adds is the documentation of each field (FIELD_DOCS, shown by
-`jobs.generate --help`) and the choices of the string fields the engine lists (METHODS, ...).
+`jobs.generate --help`; a "doc" in the dataclass field's metadata takes precedence) and the
+choices of the string fields the engine lists (METHODS, ...).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import typing
-from typing import Any, ClassVar, Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
@@ -106,8 +107,6 @@ class SubSection(_Section):
     """A nested engine config (tree, adaptive, lantern): its fields are options, and the
     command line also takes it whole, as one JSON object."""
 
-    whole_flag: ClassVar[bool] = True
-
 
 class _DecodeBase(_Section):
     """Decoding settings: adt_core.config.DecodeConfig less `device` (set per actor)."""
@@ -125,8 +124,10 @@ class _DecodeBase(_Section):
             raise engine_field_error(e) from None
 
 
-def _doc(dotted: str) -> str:
-    return FIELD_DOCS.get(dotted, "")  # an undocumented engine field shows up in test_job_config
+def _doc(dotted: str, f: Optional[dataclasses.Field] = None) -> str:
+    """A field's help: the engine's own (dataclass metadata "doc") when it has one, else ours;
+    an undocumented engine field fails test_job_config."""
+    return (f.metadata.get("doc") if f is not None else None) or FIELD_DOCS.get(dotted, "")
 
 
 def _annotation(tp: Any, dotted: str) -> Any:
@@ -152,13 +153,13 @@ def section(cls: type, prefix: str = "") -> type[_Section]:
         if f.name in SKIPPED and not prefix:
             continue
         dotted = prefix + f.name
-        tp = _annotation(hints[f.name], dotted)
+        tp, doc = _annotation(hints[f.name], dotted), _doc(dotted, f)
         if f.default is not dataclasses.MISSING:
-            info = Field(f.default, description=_doc(dotted))
+            info = Field(f.default, description=doc)
         elif dataclasses.is_dataclass(f.default_factory):  # a nested config: its section's defaults
-            info = Field(default_factory=typing.get_args(tp)[0] if typing.get_args(tp) else tp, description=_doc(dotted))
+            info = Field(default_factory=typing.get_args(tp)[0] if typing.get_args(tp) else tp, description=doc)
         else:
-            info = Field(default_factory=f.default_factory, description=_doc(dotted))
+            info = Field(default_factory=f.default_factory, description=doc)
         fields[f.name] = (tp, info)
     base = SubSection if prefix else _DecodeBase
     return create_model(cls.__name__.removesuffix("Config") + "Section", __base__=base,
