@@ -79,6 +79,11 @@ class VQGANConfig:
         except ValueError as e:
             raise CheckpointError(f"{source}: {e}") from None
 
+    def decode_bytes(self, height_px: int, width_px: int, live_maps: int = 4) -> int:
+        """Estimate of the fp32 activations live while decoding one image: a few feature maps
+        of the full-resolution level (ch * ch_mult[0] wide); ~1.2 GB at 768 x 768."""
+        return live_maps * self.ch * self.ch_mult[0] * height_px * width_px * 4
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
