@@ -303,7 +303,9 @@ def safetensors_shapes(files: Mapping[str, Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def read_tensors(files: Mapping[str, Path], keys: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def read_tensors(files: Mapping[str, Path], keys: list[str], dtype: torch.dtype,
+                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The named tensors, read shard by shard straight onto `device` and cast to `dtype`."""
     from safetensors import safe_open
 
     out: dict[str, torch.Tensor] = {}
@@ -311,7 +313,7 @@ def read_tensors(files: Mapping[str, Path], keys: list[str], dtype: torch.dtype)
     for k in keys:
         by_file.setdefault(files[k], []).append(k)
     for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
             for k in names:
                 t = f.get_tensor(k)
                 out[k] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
@@ -361,7 +363,7 @@ def load_chameleon(path: str | Path, dtype: torch.dtype = torch.float32, device:
         raise CheckpointError(f"{cfg_file}: image ids end at {cfg.first_image_id + cfg.num_image_codes}, "
                               f"past the vocabulary of {cfg.vocab_size}")
     check_state(_meta(shapes), expected_shapes(cfg), str(d))
-    state = read_tensors(files, list(files), dtype)
+    state = read_tensors(files, list(files), dtype, device)
     state["lm_head.weight"] = state["lm_head.weight"][cfg.vocab.id_slice].clone()
     with torch.device("meta"):
         model = ChameleonTarget(cfg)
