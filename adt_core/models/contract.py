@@ -269,7 +269,8 @@ def _chameleon() -> Family:
 
 # name -> a zero-argument factory, or "module:attribute" naming a Family (imported on first use,
 # so that this module imports no family and families may import it)
-_FAMILIES: dict[str, Callable[[], Family] | str] = {"chameleon": _chameleon}
+_FAMILIES: dict[str, Callable[[], Family] | str] = {"chameleon": _chameleon,
+                                                    "janus": "adt_core.models.janus_drafter:FAMILY"}
 
 
 def register_family(name: str, factory: Callable[[], Family] | str) -> None:
