@@ -4,7 +4,8 @@ LlamaGen-architecture visual autoregressive models. Torch only: no Ray, no stora
 from adt_core.config import AdaptiveConfig, DecodeConfig, LanternConfig, SamplingConfig, TreeConfig
 from adt_core.engine import Generator
 from adt_core.results import GenerationResult, PromptFailure, RoundTrace, StepStats
-from adt_core.models.bundle import Bundle, load_bundle, random_bundle, save_bundle
+from adt_core.models.bundle import Bundle, random_bundle, save_bundle
+from adt_core.models.loader import load_bundle
 
 __all__ = [
     "AdaptiveConfig", "Bundle", "DecodeConfig", "GenerationResult", "Generator", "LanternConfig",

@@ -87,7 +87,8 @@ def check_bundle(cfg: JobConfig) -> None:
     files) and the manifest parsed. Refusals name the install command."""
     if cfg.bundle == "random" or cfg.bundle.startswith("random:"):
         return
-    from adt_core.models.bundle import load_bundle, resolve_bundle_dir
+    from adt_core import load_bundle
+    from adt_core.models.bundle import resolve_bundle_dir
 
     try:
         path = resolve_bundle_dir(cfg.bundle)

@@ -9,7 +9,8 @@ On disk a bundle is a directory:
     provenance.json        (exported bundles) the training runs and their final metrics
     reference.json         (exported bundles) a stored greedy token grid (jobs/train/reference.py)
 
-`load_bundle("emoji16")` reads the embedded bundle shipped in adt_core/bundles/.
+`load_bundle_dir("emoji16")` reads the embedded bundle shipped in adt_core/bundles/ (`adt_core.load_bundle`
+loads bundle directories and manifests alike).
 """
 
 from __future__ import annotations
@@ -170,14 +171,12 @@ def resolve_bundle_dir(name_or_path: str | Path) -> Path:
     raise FileNotFoundError(f"no bundle directory {str(name_or_path)!r}; embedded bundles: {known}")
 
 
-def load_bundle(name_or_path: str | Path = DEFAULT_BUNDLE) -> Bundle:
-    """Load a bundle directory, a manifest (YAML / JSON naming published checkpoints), or an
-    embedded bundle by name (default: emoji16)."""
+def load_bundle_dir(name_or_path: str | Path = DEFAULT_BUNDLE) -> Bundle:
+    """Load a bundle directory or an embedded bundle by name (default: emoji16). Manifests
+    build on this module: `adt_core.load_bundle` (models/loader.py) loads either."""
     path = resolve_bundle_dir(name_or_path)
     if path.is_file():
-        from adt_core.models.manifest import load_manifest_bundle
-
-        return load_manifest_bundle(path)
+        raise ValueError(f"{path} is a manifest, not a bundle directory: load it with adt_core.load_bundle")
     meta = json.loads((path / "bundle.json").read_text())
     comps = meta["components"]
     target = _load_component(LlamaGenGPT, GPTConfig, path / comps["target"])

@@ -19,10 +19,10 @@ from adt_core.models import checkpoints
 from adt_core.models.bundle import resolve_bundle_dir
 from adt_core.models.drafter import DrafterConfig
 from adt_core.models.gpt import GPTConfig
-from adt_core.models.manifest import (
-    ChecksumError, LocalCache, ManifestError, bundle_memory, load_manifest_bundle, plan_memory, read_manifest,
-    sha256_file,
-)
+from adt_core.models.bundle_memory import bundle_memory, plan_memory
+from adt_core.models.cache import LocalCache
+from adt_core.models.manifest import load_manifest_bundle, read_manifest
+from adt_core.models.sources import ChecksumError, ManifestError, sha256_file
 from adt_core.models.t5 import T5TextEncoder
 from adt_core.models.vq import VQConfig
 from test_checkpoints import (
@@ -295,7 +295,7 @@ def test_stage1_manifest_loads_the_documented_layout(tmp_path, monkeypatch):
     assert emb.shape == (1, 120, 16) and mask[0, -4:].all() and not mask[0, :-4].any()
 
 
-# ---- one storage configuration for models and outputs; hf:// ----------------------------------
+# ---- one storage configuration for models and outputs (hf://: test_hub_cache.py) ----------------------------------
 
 
 def test_s3_manifest_uses_the_jobs_storage_settings(published, s3, tmp_path, monkeypatch, moto_endpoint):
@@ -320,49 +320,3 @@ def test_s3_manifest_uses_the_jobs_storage_settings(published, s3, tmp_path, mon
     retries = client.meta.config.retries
     assert retries.get("total_max_attempts", retries.get("max_attempts", 0) + 1) == 7  # 30 s budget / 5 s timeout + 1
     assert client.meta.config.read_timeout == 5
-
-
-def test_hf_paths_download_into_the_checksummed_cache(published, tmp_path, monkeypatch):
-    """hf://owner/repo[@rev]/path through huggingface_hub (stood in for by a local copy: no
-    network in tests), cached under cache/hf/<owner>/<repo>/<rev>/, sha256 checked."""
-    import shutil
-
-    import huggingface_hub
-
-    from adt_core.models.manifest import split_hf
-
-    calls = []
-
-    def fake_file(repo_id, filename, revision=None, local_dir=None, **kw):
-        calls.append(("file", repo_id, filename, revision))
-        dst = Path(local_dir) / filename
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if not dst.exists():
-            shutil.copy2(published.root / filename, dst)
-        return str(dst)
-
-    def fake_snapshot(repo_id, revision=None, local_dir=None, allow_patterns=None, **kw):
-        calls.append(("dir", repo_id, tuple(allow_patterns or ()), revision))
-        sub = allow_patterns[0].rstrip("*").rstrip("/")
-        shutil.copytree(published.root / sub, Path(local_dir) / sub, dirs_exist_ok=True)
-        return local_dir
-
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_file)
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
-    assert split_hf("hf://FoundationVision/LlamaGen@v1/t2i/x.pt") == ("FoundationVision/LlamaGen", "v1", "t2i/x.pt")
-    assert split_hf("hf://google/flan-t5-xl") == ("google/flan-t5-xl", "main", "")
-    with pytest.raises(ManifestError):
-        split_hf("hf://only-owner")
-    m = manifest_dict(root="hf://org/llamagen@abc123", cache_dir="cache")
-    m["target"]["sha256"] = sha256_file(published.root / "t2i_XL_stage1_256.pt")
-    m["drafter"] = {"path": "hf://org/llamagen@abc123/llamagen_drafter/"}  # a trailing / names a folder
-    m["text_encoder"]["path"] += "/"
-    path = write_manifest(tmp_path / "hf.yaml", m)
-    bundle = load_manifest_bundle(path)
-    assert same_weights(bundle.target, published.gpt) and same_weights(bundle.drafter, published.drafter)
-    cached = tmp_path / "cache" / "hf" / "org" / "llamagen" / "abc123"
-    assert (cached / "t2i_XL_stage1_256.pt").is_file() and (cached / "llamagen_drafter").is_dir()
-    assert ("file", "org/llamagen", "t2i_XL_stage1_256.pt", "abc123") in calls
-    m["target"]["sha256"] = "0" * 64
-    with pytest.raises(ChecksumError):
-        load_manifest_bundle(write_manifest(tmp_path / "bad.yaml", m))

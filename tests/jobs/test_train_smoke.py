@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from adt_core import load_bundle
 from adt_core.config import DecodeConfig, TreeConfig
 from adt_core.engine import Generator
 from adt_core.kv_cache import KVCache
-from adt_core.models.bundle import load_bundle
 from adt_core.models.gpt import GPTConfig, LlamaGenGPT
 from adt_core.models.text import HashTextEncoder
 from adt_core.models.vq import VQConfig, VQModel, save_pretrained
