@@ -101,7 +101,9 @@ def published_name(hf_name: str) -> str:
 
 
 def published_config(model) -> dict:
-    t, vq = model.config.text_config, model.config.vq_config
+    """config.json as deepseek-ai/Janus writes it, for a transformers model (or its JanusConfig)."""
+    config = getattr(model, "config", model)
+    t, vq = config.text_config, config.vq_config
     return {
         "model_type": "multi_modality", "architectures": ["MultiModalityCausalLM"], "torch_dtype": "bfloat16",
         "language_config": {"model_type": "llama", "vocab_size": t.vocab_size, "hidden_size": t.hidden_size,
@@ -178,8 +180,9 @@ def additive_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 # ---- tokenizer ----------------------------------------------------------------------------
-def make_tokenizer(path: str | Path, special_tokens_map: bool = True) -> Path:
-    """A byte-level BPE tokenizer.json with DeepSeek's special-token names (see SPECIALS)."""
+def make_tokenizer(path: str | Path, special_tokens_map: bool = True, omit: tuple[str, ...] = ()) -> Path:
+    """A byte-level BPE tokenizer.json with DeepSeek's special-token names (see SPECIALS); a name
+    in `omit` is left out (its id holds a filler token instead)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
@@ -193,12 +196,13 @@ def make_tokenizer(path: str | Path, special_tokens_map: bool = True) -> Path:
     n = len(vocab)
     for i in range(n, min(SPECIALS.values())):  # filler ids up to the specials
         tok.add_tokens([AddedToken(f"<filler{i}>", special=True, normalized=False)])
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    tok.add_special_tokens([AddedToken(s if s not in omit else f"<omitted{i}>", special=True, normalized=False)
+                            for s, i in SPECIALS.items()])
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(path))
     got = tok.get_vocab(with_added_tokens=True)
-    assert all(got[s] == i for s, i in SPECIALS.items()), {s: got[s] for s in SPECIALS}
+    assert all(got[s] == i for s, i in SPECIALS.items() if s not in omit), {s: got.get(s) for s in SPECIALS}
     if special_tokens_map:
         names = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>",
                  "pad_token": "<｜▁pad▁｜>"}
