@@ -179,7 +179,8 @@ def image_png(store: Storage, row: dict[str, Any]) -> Optional[bytes]:
                 return member.read() if member else None
         t = pq.read_table(io.BytesIO(data), columns=["key", "image"])
         hit = t.filter(pc.equal(t["key"], name))
-        return hit["image"][0].as_py() if hit.num_rows else None
+        image = hit["image"][0].as_py() if hit.num_rows else None
+        return image["bytes"] if isinstance(image, dict) else image  # HF image struct (older shards: bytes)
     except Exception as e:  # noqa: BLE001 - a missing image leaves a gap, not a failed report
         log.warning("cannot read the image of %s (%s): %s", row.get("prompt_id"), key, e)
         return None

@@ -6,8 +6,10 @@
     webdataset  shards/<name>.tar: <key>.png, <key>.json (the row's SAMPLE_COLUMNS), <key>.txt
                 (the caption), the layout WebDataset, Ray Data `read_webdataset` and most
                 image-training loaders read
-    parquet     shards/<name>.parquet: one row per image, `key`, `image` (PNG bytes) and the
-                SAMPLE_COLUMNS
+    parquet     shards/<name>.parquet: one row per image, `key`, `image` and the SAMPLE_COLUMNS;
+                `image` is HF datasets' image struct {bytes: PNG, path: <key>.png} and the
+                schema metadata records the features, so `datasets.load_dataset("parquet",
+                data_dir=<output>/shards)` yields Image() and captions with no cast
 
 A worker writes the shards of one call itself, after that call's images finished and before
 it returns their rows, so an ok row always means its shard holds the image (the per-row
@@ -102,12 +104,33 @@ def encode_tar(samples: list[Sample]) -> bytes:
     return buf.getvalue()
 
 
-PARQUET_SCHEMA = pa.schema([pa.field("key", pa.string()), pa.field("image", pa.binary())]
-                           + [SCHEMA.field(c) for c in SAMPLE_COLUMNS])
+# The storage of HF datasets' `Image()` feature: PNG bytes plus a file name (its format hint).
+IMAGE_STRUCT = pa.struct([pa.field("bytes", pa.binary()), pa.field("path", pa.string())])
+_HF_FLOATS = {"halffloat": "float16", "float": "float32", "double": "float64"}  # arrow name -> datasets dtype
+
+
+def hf_features(schema: pa.Schema) -> dict[str, dict[str, str]]:
+    """The `datasets` Features of a parquet shard: `image` is an Image(), every other
+    (scalar) column a Value of its arrow type."""
+    return {f.name: {"_type": "Image"} if f.name == "image" else
+            {"dtype": _HF_FLOATS.get(str(f.type), str(f.type)), "_type": "Value"} for f in schema}
+
+
+def _parquet_schema() -> pa.Schema:
+    """key, image (HF image struct), the SAMPLE_COLUMNS; the features recorded under the
+    `huggingface` metadata key, so `load_dataset("parquet", ...)` decodes images."""
+    schema = pa.schema([pa.field("key", pa.string()), pa.field("image", IMAGE_STRUCT)]
+                       + [SCHEMA.field(c) for c in SAMPLE_COLUMNS])
+    info = {"info": {"features": hf_features(schema)}}
+    return schema.with_metadata({"huggingface": json.dumps(info)})
+
+
+PARQUET_SCHEMA = _parquet_schema()
 
 
 def encode_parquet(samples: list[Sample]) -> bytes:
-    rows = [{"key": s.key, "image": s.png, **_sample_fields(s.row)} for s in sorted(samples, key=lambda s: s.key)]
+    rows = [{"key": s.key, "image": {"bytes": s.png, "path": f"{s.key}.png"}, **_sample_fields(s.row)}
+            for s in sorted(samples, key=lambda s: s.key)]
     buf = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows, schema=PARQUET_SCHEMA), buf)
     return buf.getvalue()

@@ -1,7 +1,9 @@
 """Outputs as datasets: webdataset and parquet shards, images/metadata.parquet for imagefolder.
 
 Shards are read back with Python's tarfile and with Ray Data's read_webdataset; every prompt
-id appears once, after a resume and after a run whose last rows never became durable."""
+id appears once, after a resume and after a run whose last rows never became durable. Every
+output format loads with HF `datasets` (files as imagefolder, webdataset, parquet) into
+images and captions."""
 
 from __future__ import annotations
 
@@ -47,6 +49,14 @@ def tar_ids(out_dir) -> Counter:
     return ids
 
 
+def load_with_datasets(tmp_path, monkeypatch, builder: str, **kw):
+    """`datasets.load_dataset(builder, ...)`, offline, its cache under tmp_path."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return datasets.load_dataset(builder, split="train", cache_dir=str(tmp_path / "hf-cache"), **kw)
+
+
 def test_sample_keys_have_no_dots_and_stay_distinct():
     assert sample_key("p001") == "p001"
     keys = {sample_key(i) for i in ("a.b", "a_b", "A", "a/b", "x.png")}
@@ -71,7 +81,7 @@ def test_finalize_keeps_each_sample_in_the_shard_its_row_names(tmp_path):
     assert finalize(store, "webdataset", latest) == {"shards": 2, "rewritten": 0, "deleted": 0}  # idempotent
 
 
-def test_webdataset_shards_read_back_once_after_resume_and_lost_rows(tmp_path, ray_session):
+def test_webdataset_shards_read_back_once_after_resume_and_lost_rows(tmp_path, ray_session, monkeypatch):
     rows = simple_rows(10) + [{"prompt_id": "dotted.id", "prompt": "a dotted face", "seed": 3}]
     src = write_prompts(tmp_path / "prompts.parquet", rows)
     out = tmp_path / "out"
@@ -97,33 +107,65 @@ def test_webdataset_shards_read_back_once_after_resume_and_lost_rows(tmp_path, r
     assert Counter(m["prompt_id"] for m in metas) == Counter(r["prompt_id"] for r in rows)
     assert all(r["png"] is not None for r in got)
 
+    from datasets import Image as ImageFeature
 
-def test_parquet_shards_carry_image_bytes_inline(tmp_path, ray_session):
+    hf = load_with_datasets(tmp_path, monkeypatch, "webdataset", data_files=sorted(map(str, (out / "shards").glob("*.tar"))))
+    assert isinstance(hf.features["png"], ImageFeature) and sorted(hf["txt"]) == sorted(r["prompt"] for r in rows)
+    first = hf[0]
+    assert first["png"].size == (first["json"]["width"], first["json"]["height"])
+    assert first["json"]["prompt"] == first["txt"] and first["__key__"] == sample_key(first["json"]["prompt_id"])
+
+
+def test_parquet_shards_carry_hf_images_and_load_with_datasets(tmp_path, ray_session, monkeypatch):
+    from datasets import Image as ImageFeature
+
     src = write_prompts(tmp_path / "prompts.parquet", simple_rows(5))
     res = run_job(job(tmp_path, src, output_format="parquet", shard_size=2), stream=io.StringIO())
     assert res.exit_code == EXIT_OK
-    table = pq.read_table(str(tmp_path / "out" / "shards"))
+    shards = tmp_path / "out" / "shards"
+    table = pq.read_table(str(shards))
     assert sorted(table["prompt_id"].to_pylist()) == [f"p{i:03d}" for i in range(5)]
     row = table.to_pylist()[0]
-    img = Image.open(io.BytesIO(row["image"]))
+    assert row["image"]["path"] == f"{row['key']}.png"
+    img = Image.open(io.BytesIO(row["image"]["bytes"]))
     assert img.size == (row["width"], row["height"]) and row["prompt"].startswith("a smiling face")
-    assert all(n.endswith(".parquet") and "-n" in n for n in (p.name for p in (tmp_path / "out" / "shards").iterdir()))
-    assert max(int(p.name.rsplit("-n", 1)[1].split(".")[0]) for p in (tmp_path / "out" / "shards").iterdir()) <= 2
+    assert all(n.endswith(".parquet") and "-n" in n for n in (p.name for p in shards.iterdir()))
+    assert max(int(p.name.rsplit("-n", 1)[1].split(".")[0]) for p in shards.iterdir()) <= 2
+    ds = load_with_datasets(tmp_path, monkeypatch, "parquet", data_dir=str(shards))
+    assert isinstance(ds.features["image"], ImageFeature)  # no cast_column needed
+    assert sorted(ds["prompt_id"]) == [f"p{i:03d}" for i in range(5)]
+    first = ds[0]
+    assert first["image"].size == (first["width"], first["height"]) and first["prompt"].startswith("a smiling face")
+    from jobs.report_data import image_png  # the report reads the image back out of its shard
+
+    tel = pq.read_table(str(tmp_path / "out" / "telemetry")).to_pylist()[0]
+    assert Image.open(io.BytesIO(image_png(open_storage(str(tmp_path / "out")), tel))).size == (tel["width"], tel["height"])
+
+
+def test_parquet_features_match_what_datasets_infers_and_survive_finalize(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from pipeline.shards import PARQUET_SCHEMA, hf_features
+
+    inferred = datasets.Features.from_arrow_schema(PARQUET_SCHEMA.remove_metadata()).to_dict()
+    inferred["image"] = {"_type": "Image"}
+    assert hf_features(PARQUET_SCHEMA) == inferred
+    store = open_storage(str(tmp_path))
+    samples = [Sample(sample_key(i), b"png-" + i.encode(), {"prompt_id": i, "prompt": f"cap {i}"}) for i in "abc"]
+    (key, _), = write_shards(store, "parquet", samples, None)
+    finalize(store, "parquet", pa.table({"prompt_id": ["a"], "image_key": [key]}))  # rewrites the shard: a only
+    kept = pq.read_table(io.BytesIO(store.get_bytes(key)))
+    assert kept["key"].to_pylist() == ["a"] and kept.schema.metadata[b"huggingface"] == PARQUET_SCHEMA.metadata[b"huggingface"]
 
 
 def test_files_layout_loads_with_datasets_imagefolder(tmp_path, ray_session, monkeypatch):
-    datasets = pytest.importorskip("datasets")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    """--output-format files: the images/ folder is an imagefolder dataset (metadata.parquet)."""
     rows = simple_rows(4)
     src = write_prompts(tmp_path / "prompts.parquet", rows)
     res = run_job(job(tmp_path, src), stream=io.StringIO())
     assert res.exit_code == EXIT_OK
     meta = pq.read_table(str(tmp_path / "out" / "images" / "metadata.parquet"))
     assert meta.column_names[0] == "file_name" and meta.num_rows == 4
-    ds = datasets.load_dataset("imagefolder", data_dir=str(tmp_path / "out" / "images"), split="train",
-                               cache_dir=str(tmp_path / "hf-cache"))
+    ds = load_with_datasets(tmp_path, monkeypatch, "imagefolder", data_dir=str(tmp_path / "out" / "images"))
     assert sorted(ds["prompt"]) == sorted(r["prompt"] for r in rows)
     first = ds[0]
     assert first["image"].size == (first["width"], first["height"])
