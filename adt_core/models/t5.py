@@ -11,16 +11,19 @@ LlamaGen (language/t5.py, autoregressive/sample/sample_t2i.py) does, per batch o
 contract of adt_core/models/text.py. The model and tokenizer come from a local directory
 (e.g. google/flan-t5-xl as downloaded); nothing is fetched.
 
-Cleaning needs no extra packages: HTML is stripped with the standard library's parser (as
-BeautifulSoup's "html.parser" backend does) and `ftfy.fix_text` is used when ftfy is
-installed, else a small fallback covering what matters for prompts (HTML entities, width
-and ligature forms, control characters, line breaks). Mojibake repair needs ftfy:
-`pip install 'adt-tree[t5]'`.
+Cleaning uses what LlamaGen's cleaner uses: BeautifulSoup ("html.parser") to strip HTML and
+`ftfy.fix_text`; both come with `pip install 'adt-tree[t5]'` (and in the Docker image). Without
+them a fallback runs (the standard library's HTML parser, and the part of ftfy's defaults that
+matters for prompts), which matches them on ordinary prompts but not on everything (ftfy's
+mojibake repair has no fallback), so the first caption cleaned without one logs a warning
+naming the package and the install command.
 """
 
 from __future__ import annotations
 
+import functools
 import html
+import importlib
 import logging
 import re
 import unicodedata
@@ -93,39 +96,70 @@ _RULES_AFTER_FIX: list[tuple[re.Pattern, str]] = [
 ]
 
 
+INSTALL_HINT = "pip install 'adt-tree[t5]'"
+
+
+@functools.lru_cache(maxsize=None)
+def _optional(module: str, package: str):
+    """The module, or None after one warning (per process) naming the package and the install command."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        log.warning("%s is not installed: FLAN-T5 captions are cleaned with a fallback that can differ "
+                    "from LlamaGen's cleaner; install it with: %s (or pip install %s)",
+                    package, INSTALL_HINT, package)
+        return None
+
+
 class _TextOnly(HTMLParser):
-    """Collects the text of an HTML fragment (tags dropped, entities decoded)."""
+    """The text of an HTML fragment as BeautifulSoup's .text gives it: tags dropped, entities
+    decoded, CDATA kept, <script> / <style> contents dropped."""
 
     def __init__(self) -> None:
         super().__init__(convert_charrefs=True)
         self.parts: list[str] = []
+        self.hidden = 0  # inside <script> or <style>
+
+    def handle_starttag(self, tag: str, attrs) -> None:
+        if tag in ("script", "style"):
+            self.hidden += 1
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("script", "style") and self.hidden:
+            self.hidden -= 1
 
     def handle_data(self, data: str) -> None:
-        self.parts.append(data)
+        if not self.hidden:
+            self.parts.append(data)
+
+    def unknown_decl(self, data: str) -> None:
+        if data.upper().startswith("CDATA["):  # captions are lower-cased before this
+            self.parts.append(data[len("CDATA["):])
 
 
 def strip_html(text: str) -> str:
+    """BeautifulSoup(text, "html.parser").text (LlamaGen's call), or the fallback parser."""
+    bs4 = _optional("bs4", "beautifulsoup4")
+    if bs4 is not None:
+        return bs4.BeautifulSoup(text, features="html.parser").text
     p = _TextOnly()
     p.feed(text)
     p.close()
     return "".join(p.parts)
 
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\u200b\ufeff]")
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ufeff]")  # ftfy keeps zero-width spaces
 _TERMINAL_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _LINE_BREAKS = re.compile(r"\r\n|[\r\u2028\u2029\x85]")
 _LIGATURES = re.compile("[\u0132\u0133\u01c4-\u01cc\u01f1-\u01f3\ufb00-\ufb06]")
 
 
 def fix_text(text: str) -> str:
-    """ftfy.fix_text when ftfy is installed; else the subset of its defaults that matters for
+    """ftfy.fix_text (LlamaGen's call); without ftfy, the subset of its defaults that matters for
     prompts: terminal escapes, HTML entities, ligatures, full-width forms, curly quotes, line
     breaks and control characters, then NFC."""
-    try:
-        import ftfy
-    except ImportError:
-        pass
-    else:
+    ftfy = _optional("ftfy", "ftfy")
+    if ftfy is not None:
         return ftfy.fix_text(text)
     text = _TERMINAL_ESCAPE.sub("", text)
     if "&" in text and "<" not in text:
@@ -207,6 +241,9 @@ class T5TextEncoder(nn.Module):
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"T5 directory {p} has no config.json (expected a local flan-t5-xl download)")
         self.path, self.max_tokens, self.clean = str(path), int(max_tokens), bool(clean)
+        if self.clean:  # a missing cleaner package is named when the encoder loads
+            _optional("bs4", "beautifulsoup4")
+            _optional("ftfy", "ftfy")
         self.dtype_name, self.device_name = dtype, str(device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
         self.model = T5EncoderModel.from_pretrained(str(p), local_files_only=True, dtype=DTYPES[dtype]).eval()

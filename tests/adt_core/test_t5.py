@@ -4,6 +4,7 @@ tiny Unigram tokenizer is written locally (no download; no sentencepiece model n
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,53 @@ def t5_dir(tmp_path_factory):
 def test_llamagen_caption_cleaning(raw, clean):
     assert preprocess_caption(raw) == clean
     assert preprocess_caption(raw, clean=False) == raw.lower().strip()
+
+
+# Inputs where an HTML stripper or a text fixer could go its own way; the fallback (no bs4, no
+# ftfy) must agree with LlamaGen's packages on all of them but mojibake, which only ftfy repairs.
+EDGE_CAPTIONS = [
+    "a <script>alert(1)</script> red cat", "<style>p{color:red}</style>a red cat", "a <![CDATA[raw]]> cat",
+    "<b>bold</b> &amp; <i>italic</i> dog", "a < b > c", "<!-- hidden --> a dog", "unclosed <div class='x'>tree",
+    "line<br/>break", "zero\u200bwidth space", "\uff21 full-width \uff43at", "\ufb01ne ligature",
+    "\u201ccurly\u201d \u2018quotes\u2019", "tab\tand\x07bell", "crlf\r\nline", "&lt;tag&gt; text",
+]
+MOJIBAKE = "don\u00e2\u20ac\u2122t stop"
+
+
+@pytest.fixture
+def without_cleaner_packages(monkeypatch):
+    """bs4 and ftfy made unimportable (sys.modules entry None), as on a machine without them."""
+    from adt_core.models import t5
+
+    monkeypatch.setitem(sys.modules, "bs4", None)
+    monkeypatch.setitem(sys.modules, "ftfy", None)
+    t5._optional.cache_clear()
+    yield
+    t5._optional.cache_clear()
+
+
+def test_the_fallback_cleaner_matches_bs4_and_ftfy_but_warns_once(caplog, request):
+    pytest.importorskip("bs4")
+    pytest.importorskip("ftfy")
+    with caplog.at_level("WARNING", logger="adt_core.models.t5"):
+        real = [preprocess_caption(c) for c in EDGE_CAPTIONS + [MOJIBAKE]]
+        assert not caplog.records
+        request.getfixturevalue("without_cleaner_packages")
+        fallback = [preprocess_caption(c) for c in EDGE_CAPTIONS + [MOJIBAKE]]
+    assert fallback[:-1] == real[:-1] and fallback[-1] != real[-1]
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2, warned  # once per package, not once per caption
+    for package in ("beautifulsoup4", "ftfy"):
+        (msg,) = [m for m in warned if m.startswith(package)]
+        assert "pip install 'adt-tree[t5]'" in msg and f"pip install {package}" in msg
+
+
+def test_the_encoder_names_a_missing_cleaner_package_when_it_loads(t5_dir, without_cleaner_packages, caplog):
+    with caplog.at_level("WARNING", logger="adt_core.models.t5"):
+        T5TextEncoder(t5_dir, max_tokens=8, dtype="float32", device="cpu", clean=False).encode(["a cat"])
+        assert not caplog.records  # no cleaning asked for, nothing degraded
+        T5TextEncoder(t5_dir, max_tokens=8, dtype="float32", device="cpu")
+    assert sorted(r.getMessage().split(" ")[0] for r in caplog.records) == ["beautifulsoup4", "ftfy"]
 
 
 def test_cleaning_is_applied_twice():
