@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import gzip
 import json
-import subprocess
+import re
 from pathlib import Path
 
 import jsonschema
@@ -76,10 +76,41 @@ def test_cronjob_submits_a_valid_rayjob_and_forbids_overlap():
     job = yaml.safe_load(template)
     validate(job, crd_schema("rayjobs"))
     assert "--job-id daily-20240601" in job["spec"]["entrypoint"] and "--resume" in job["spec"]["entrypoint"]
-    script = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["args"][0]
-    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    pod = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["command"] == ["python", "/template/submit.py"]
+    compile(by_kind["ConfigMap"]["data"]["submit.py"], "submit.py", "exec")  # run for real in test_cronjob_submit.py
     rules = by_kind["Role"]["rules"][0]
-    assert "rayjobs" in rules["resources"] and "create" in rules["verbs"]
+    assert "rayjobs" in rules["resources"] and {"create", "get", "delete"} <= set(rules["verbs"])
+
+
+REMOVED_IMAGES = re.compile(r"^(docker\.io/)?bitnami/")  # Bitnami's public Docker Hub tags are gone
+PROJECT_IMAGE = "<registry>/adt-tree:0.1.0"  # built from infra/docker/Dockerfile by the user
+
+
+def images(doc) -> list[str]:
+    if isinstance(doc, dict):
+        return [v for k, v in doc.items() if k == "image" and isinstance(v, str)] + \
+            [i for v in doc.values() for i in images(v)]
+    return [i for v in doc for i in images(v)] if isinstance(doc, list) else []
+
+
+@pytest.mark.parametrize("name", ["kuberay-cronjob.yaml", "kuberay-rayjob.yaml"])
+def test_every_image_exists_the_project_one_or_pinned_by_digest(name):
+    """No removed tag (bitnami/*); any image other than the project's own is pinned by digest."""
+    found = images(docs(name))
+    cm = {d["kind"]: d for d in docs(name)}["ConfigMap"]
+    for text in cm["data"].values():  # the RayJob template inside the CronJob's ConfigMap
+        if text.lstrip().startswith("apiVersion"):
+            found += images(yaml.safe_load(text.replace("__DAY__", "20240601")))
+    assert found
+    for image in found:
+        assert not REMOVED_IMAGES.match(image), f"{image}: a removed tag"
+        assert image == PROJECT_IMAGE or re.search(r"@sha256:[0-9a-f]{64}$", image), f"{image}: not pinned by digest"
+
+
+def test_the_removed_tag_check_can_fail():
+    assert REMOVED_IMAGES.match("bitnami/kubectl:1.31") and REMOVED_IMAGES.match("docker.io/bitnami/kubectl:latest")
+    assert not re.search(r"@sha256:[0-9a-f]{64}$", "registry.k8s.io/kubectl:v1.31.0")
 
 
 def test_crd_copies_name_their_source_and_licence():
