@@ -1,0 +1,540 @@
+"""Train a drafter for a target, on Ray Train, from the target's own images.
+
+    python -m jobs.train_drafter --bundle <dir | manifest | name> --prompts <parquet uri> --out <uri>
+    python -m jobs.train_drafter --config jobs/train/recipes/emoji16.yaml --out outputs/train_emoji16
+    python -m jobs.train_drafter ... --data <an earlier jobs.generate output>   # reuse its token grids
+
+One validated config (TrainDrafterConfig: defaults < --config file < flags < --set a.b=v),
+saved as OUT/train_config.json. Steps: (1) data: the project's batch job draws the target's
+images for the prompts (method ar, the bundle's sampling defaults, token grids kept) into
+OUT/data, resumable, unless --data names an earlier output; (2) training: Ray Train workers
+(one per GPU, else CPU workers) fit the EAGLE-style head with the frozen target in each step,
+checkpointing to OUT/train; (3) evaluation: acceptance length of eagle2 and adt, greedy and at
+the bundle's defaults, on held-out prompts; (4) export: OUT/drafter (config.json +
+model.safetensors fp16 + provenance.json), OUT/bundle (the bundle with this drafter, for a
+bundle directory) and OUT/result.json, written last: without it nothing in OUT is a result.
+Run the same command again to resume after a crash or a kill (data, training and export).
+
+Exit codes (docs/training.md): 0 done; 2 config, prompt input or bundle refused (or OUT holds
+a run with another config); 3 Ray cluster unreachable or too small; 4 output not writable or
+storage unavailable; 6 interrupted; 7 internal error; 8 training data unusable (empty, every
+row failed, token ids outside the codebook, another grid); 9 the bundle's model family has no
+drafter head type; 10 training failed (workers failed more than train.max_failures times).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any, Callable, Literal, Optional, Union
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline.config import ConfigError, StorageSettings, format_validation_error, read_config_file, set_dotted
+from pipeline.storage import Storage, is_remote, open_storage, parse_uri
+from pipeline.retry import StorageUnavailable
+
+log = logging.getLogger("jobs.train_drafter")
+
+CONFIG_FILE = "train_config.json"
+RESULT_FILE = "result.json"
+EXIT_OK, EXIT_BAD_INPUT, EXIT_NO_RESOURCES, EXIT_STORAGE, EXIT_INTERRUPTED, EXIT_INTERNAL = 0, 2, 3, 4, 6, 7
+EXIT_BAD_DATA, EXIT_NO_HEAD, EXIT_TRAINING_FAILED = 8, 9, 10
+EXIT_CODES = {
+    EXIT_OK: "done: OUT/result.json names the exported drafter",
+    EXIT_BAD_INPUT: "the config, the prompt input or the bundle was refused (or OUT holds a run with another config)",
+    EXIT_NO_RESOURCES: "the Ray cluster cannot be reached or cannot host the workers",
+    EXIT_STORAGE: "the output is not writable, or a store is unavailable",
+    EXIT_INTERRUPTED: "stopped by SIGTERM / SIGINT; run the same command again to resume",
+    EXIT_INTERNAL: "an unexpected error (a bug); the traceback is logged",
+    EXIT_BAD_DATA: "the training data is unusable: empty, every row failed, ids outside the codebook, or another grid",
+    EXIT_NO_HEAD: "the bundle's model family has no drafter head type to train",
+    EXIT_TRAINING_FAILED: "training failed: workers failed more than train.max_failures times",
+}
+
+
+class JobError(Exception):
+    """Ends the job with one line and an exit code."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class TrainSection(_Strict):
+    """The optimisation: EAGLE's recipe (feature regression + soft cross-entropy, input noise)."""
+
+    steps: int = Field(2000, ge=1, le=10_000_000, description="Optimizer steps.")
+    batch_size: int = Field(8, ge=1, le=65536, description="Images per step over all workers (each gives cond + uncond rows); "
+                            "a multiple of the number of workers.")
+    lr: float = Field(6e-4, gt=0, le=1.0, description="AdamW peak learning rate (linear warmup, cosine decay).")
+    final_lr_frac: float = Field(0.1, ge=0, le=1, description="Learning rate at the last step, as a fraction of lr.")
+    warmup: int = Field(50, ge=0, description="Warmup steps.")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay on matrices.")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
+    noise: float = Field(0.1, ge=0, le=10, description="Half-width of the uniform noise on input features (EAGLE: 0.1).")
+    ce_weight: float = Field(0.1, ge=0, le=100, description="Weight of the soft cross-entropy to the target's next-code distribution.")
+    ffn_dim: Optional[int] = Field(None, ge=8, description="Drafter FFN width; none = the target's.")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seeds the drafter init, the batch order and the noise.")
+    amp: Literal["auto", "bf16", "fp32"] = Field("auto", description="bf16 autocast on CUDA / native-bf16 CPUs (auto), always, or never.")
+    log_every: int = Field(10, ge=1, description="Steps between metric lines (ray.train.report + metrics.jsonl).")
+    ckpt_every: int = Field(100, ge=1, description="Steps between checkpoints (one is always written at the last step).")
+    eval_every: int = Field(250, ge=0, description="Steps between held-out top-1 agreement measurements (0 = never).")
+    keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept in OUT/train (the latest ones).")
+    max_failures: int = Field(3, ge=-1, description="Worker-group failures recovered from the latest checkpoint (-1 = no limit).")
+
+
+class EvalSection(_Strict):
+    """Acceptance length of the trained drafter against its target (adt_core.Generator)."""
+
+    prompts: Optional[str] = Field(None, description="Held-out prompt Parquet (prompt_id, prompt, seed); none = the "
+                                   "held-out share of the data's prompts.")
+    limit: int = Field(64, ge=0, description="Prompts evaluated at most (0 = skip the evaluation).")
+    methods: list[Literal["eagle2", "adt", "static"]] = Field(["eagle2", "adt"], description="Decoding methods measured.")
+    temperatures: list[Union[float, Literal["default"]]] = Field(
+        [0.0, "default"], description="Temperatures measured; default = the bundle's sampling defaults.")
+    batch_size: int = Field(16, ge=1, le=4096, description="Images in flight per Generator.")
+    threads: int = Field(0, ge=0, le=256, description="Torch threads on the driver during evaluation (0 = torch's default).")
+    max_tokens: Optional[int] = Field(None, ge=1, description="Decode only this many image tokens per prompt (smoke "
+                                      "tests); none = the whole grid.")
+
+
+class DataSection(_Strict):
+    """The self-distilled data: the target's own images for the prompts."""
+
+    num_actors: int = Field(1, ge=1, le=4096, description="Generator actors of the batch job.")
+    decode_batch_size: int = Field(64, ge=1, le=4096, description="Images in flight per actor.")
+    heldout_fraction: float = Field(0.05, ge=0, lt=1, description="Share of prompt ids (by hash) kept out of training; "
+                                    "their grids give the held-out agreement metric.")
+
+
+class TrainDrafterConfig(_Strict):
+    """A drafter training job: which target, which prompts, where to write, how to train and scale."""
+
+    bundle: str = Field(..., description="Target bundle: a directory, a manifest, an embedded name or random[:seed].")
+    prompts: Optional[str] = Field(None, description="Training prompts: Parquet file, folder or s3:// prefix.")
+    data: Optional[str] = Field(None, description="An earlier batch-job output (path or s3://) whose token grids are "
+                                "reused; none = OUT/data, made from the prompts.")
+    out: str = Field(..., description="Output root: a path or s3:// URI.")
+    train: TrainSection = Field(default_factory=TrainSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    distill: DataSection = Field(default_factory=DataSection)
+    num_workers: Optional[int] = Field(None, ge=1, le=4096, description="Ray Train workers; none = one per GPU, 2 CPU "
+                                       "workers when the cluster has no GPU.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = GPU workers when the cluster has GPUs.")
+    cpus_per_worker: Optional[float] = Field(None, gt=0, le=256, description="CPUs per CPU worker; none = the cluster's "
+                                             "CPUs shared out, at most 1.")
+    threads_per_worker: int = Field(1, ge=1, le=256, description="Torch threads per worker.")
+    run_name: str = Field("train", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="Ray Train run name (OUT/<run_name>).")
+    export_bundle: bool = Field(True, description="Also write OUT/bundle: the source bundle directory with this drafter.")
+    ray_address: Optional[str] = Field(None, description="Ray cluster address; none = RAY_ADDRESS, else a new local Ray.")
+    storage: StorageSettings = Field(default_factory=StorageSettings)
+
+    @field_validator("bundle", "out")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _data_source(self) -> "TrainDrafterConfig":
+        if self.prompts is None and self.data is None:
+            raise ValueError("give the training prompts (--prompts) or an earlier output's data (--data)")
+        if self.num_workers is not None and self.train.batch_size % self.num_workers:
+            raise ValueError(f"train.batch_size {self.train.batch_size} is not a multiple of num_workers {self.num_workers}")
+        return self
+
+    def decides(self) -> dict[str, Any]:
+        """What decides the trained weights (the bundle, the data, the train section)."""
+        d = self.model_dump(mode="json", include={"bundle", "prompts", "data", "train", "distill"})
+        for k in ("log_every", "eval_every", "keep_checkpoints", "max_failures"):
+            d["train"].pop(k)
+        d["distill"] = {"heldout_fraction": d["distill"]["heldout_fraction"]}
+        return d
+
+    def config_hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.decides(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json") | {"config_hash": self.config_hash()}, indent=2, sort_keys=True) + "\n"
+
+
+def load_config(path: Optional[str], overrides: dict[str, Any]) -> TrainDrafterConfig:
+    merged = read_config_file(path) if path else {}
+    for key, value in overrides.items():
+        set_dotted(merged, key, value)
+    try:
+        return TrainDrafterConfig.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e).replace("invalid job config", "invalid training config")) from None
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def child_uri(uri: str, name: str) -> str:
+    return uri.rstrip("/") + "/" + name
+
+
+def absolute(uri: Optional[str]) -> Optional[str]:
+    """Local paths made absolute (Ray Train workers run in another directory)."""
+    if uri is None or is_remote(uri):
+        return uri
+    return parse_uri(uri).path
+
+
+def family_of(bundle) -> str:
+    from adt_core.models.gpt import LlamaGenGPT
+
+    return "llamagen" if isinstance(bundle.target, LlamaGenGPT) else type(bundle.target).__name__
+
+
+# families whose EAGLE-style head this job can build and train (jobs/train/drafter.py build_drafter)
+DRAFTER_HEADS = {"llamagen": "adt_core.models.drafter.Drafter (one decoder layer, fc over [embed; feature])"}
+
+
+def probe_writable(out: Storage) -> None:
+    key = ".write-probe"
+    try:
+        out.put_text(key, "probe\n")
+        out.delete(key)
+    except (OSError, StorageUnavailable) as e:
+        raise JobError(f"output {out.uri} is not writable: {type(e).__name__}: {e}", EXIT_STORAGE) from None
+
+
+def check_saved_config(out: Storage, cfg: TrainDrafterConfig) -> None:
+    if out.exists(CONFIG_FILE):
+        saved = json.loads(out.get_text(CONFIG_FILE))
+        if saved.get("config_hash") != cfg.config_hash():
+            raise JobError(f"{out.uri_for(CONFIG_FILE)} holds a run with another config ({saved.get('config_hash')} != "
+                           f"{cfg.config_hash()}): choose another --out", EXIT_BAD_INPUT)
+    out.put_text(CONFIG_FILE, cfg.to_json(), "application/json")
+
+
+def read_prompt_table(uri: str, storage: StorageSettings, limit: int) -> tuple[list[str], list[int]]:
+    from pipeline.prompts import PromptInputError, open_prompts
+
+    try:
+        src = open_prompts(uri, storage)
+    except PromptInputError as e:
+        raise JobError(f"eval.prompts: {e}", EXIT_BAD_INPUT) from None
+    cols = ["prompt", "seed"] if src.has_seed else ["prompt"]
+    table = pq.read_table(src.paths, filesystem=src.filesystem, columns=cols) if len(src.paths) > 1 else \
+        pq.read_table(src.paths[0], filesystem=src.filesystem, columns=cols)
+    rows = table.to_pylist()[:limit]
+    return [r["prompt"] for r in rows], [int(r.get("seed") or 0) for r in rows]
+
+
+def plan_workers(cfg: TrainDrafterConfig) -> tuple[int, bool, float]:
+    """(workers, use_gpu, cpus per worker) for the cluster Ray is connected to."""
+    import ray
+
+    res = ray.cluster_resources()
+    gpus, cpus = int(res.get("GPU", 0)), float(res.get("CPU", 0))
+    use_gpu = cfg.device == "cuda" or (cfg.device == "auto" and gpus > 0)
+    if cfg.device == "cuda" and gpus == 0:
+        raise JobError("device cuda: the Ray cluster has no GPU", EXIT_NO_RESOURCES)
+    n = cfg.num_workers or (gpus if use_gpu else 2)
+    if use_gpu and n > gpus:
+        raise JobError(f"{n} GPU workers asked for, the cluster has {gpus} GPU(s)", EXIT_NO_RESOURCES)
+    per = cfg.cpus_per_worker or (1.0 if use_gpu else min(1.0, cpus / n))
+    if not use_gpu and n * per > cpus + 1e-9:
+        raise JobError(f"{n} workers x {per:g} CPU do not fit the cluster's {cpus:g} CPUs", EXIT_NO_RESOURCES)
+    if cfg.train.batch_size % n:
+        raise JobError(f"train.batch_size {cfg.train.batch_size} is not a multiple of the {n} workers", EXIT_BAD_INPUT)
+    return n, use_gpu, per
+
+
+# ---------------------------------------------------------------- the steps
+
+
+def make_data(cfg: TrainDrafterConfig, out: Storage, say) -> Storage:
+    """The batch job's output holding the token grids (run here unless cfg.data is given)."""
+    if cfg.data is not None:
+        return open_storage(cfg.data, cfg.storage)
+    from pipeline.checks import JobRefused
+    from pipeline.driver import EXIT_INTERRUPTED as GEN_INTERRUPTED, EXIT_STORAGE_UNAVAILABLE, run_job
+    from pipeline.execute import JobInterrupted
+    from jobs.train.distill import data_job_config
+
+    data_uri = child_uri(cfg.out, "data")
+    job = data_job_config(cfg.bundle, cfg.prompts, data_uri, cfg.distill.num_actors, cfg.distill.decode_batch_size,
+                          cfg.storage, cfg.ray_address, job_id="distill")
+    say(f"data: the target's own images for {cfg.prompts} (ar, the bundle's sampling defaults) -> {data_uri}")
+    try:
+        result = run_job(job, sys.stdout)
+    except JobRefused as e:
+        raise JobError(f"data: {e}", getattr(e, "exit_code", EXIT_BAD_INPUT)) from None
+    except JobInterrupted as e:
+        raise JobError(f"data: {e}", EXIT_INTERRUPTED) from None
+    if result.exit_code == GEN_INTERRUPTED:
+        raise JobError("data: interrupted; run the same command again to resume", EXIT_INTERRUPTED)
+    if result.exit_code == EXIT_STORAGE_UNAVAILABLE:
+        raise JobError(f"data: {result.summary.get('error')}", EXIT_STORAGE)
+    return open_storage(data_uri, cfg.storage)
+
+
+FAULT_ENV = "ADT_TRAIN_FAULT"  # tests only (jobs/train/ray_train.py)
+
+
+def train_loop_config(cfg: TrainDrafterConfig, train_ref, heldout_ref) -> dict[str, Any]:
+    return {"train": cfg.train.model_dump(), "bundle": cfg.bundle, "out": cfg.out, "storage": cfg.storage.model_dump(),
+            "threads_per_worker": cfg.threads_per_worker, "train_ref": train_ref, "heldout_ref": heldout_ref,
+            "fault": os.environ.get(FAULT_ENV)}
+
+
+def fit(cfg: TrainDrafterConfig, out: Storage, train_ref, heldout_ref, say):
+    """Ray Train: TorchTrainer over `n` workers, checkpoints under OUT/<run_name>; the final checkpoint."""
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from jobs.train.ray_train import train_loop_per_worker
+
+    n, use_gpu, per = plan_workers(cfg)
+    say(f"training: {n} {'GPU' if use_gpu else 'CPU'} worker(s) x {cfg.train.batch_size // n} images per step, "
+        f"{cfg.train.steps} steps, checkpoints every {cfg.train.ckpt_every} in {out.uri_for(cfg.run_name)}")
+    local = parse_uri(cfg.out).scheme == "file"
+    run_config = ray.train.RunConfig(
+        name=cfg.run_name, storage_path=out.arrow_path(), storage_filesystem=None if local else out.arrow_fs(),
+        failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
+        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
+    )
+    trainer = TorchTrainer(
+        train_loop_per_worker, train_loop_config=train_loop_config(cfg, train_ref, heldout_ref),
+        scaling_config=ray.train.ScalingConfig(num_workers=n, use_gpu=use_gpu,
+                                               resources_per_worker=None if use_gpu else {"CPU": per}),
+        run_config=run_config, torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+    )
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as e:
+        first = str(e).strip().splitlines()
+        raise JobError(f"training failed: {first[0] if first else type(e).__name__}", EXIT_TRAINING_FAILED) from None
+    return result.checkpoint, n
+
+
+def export(cfg: TrainDrafterConfig, out: Storage, bundle, drafter, provenance: dict) -> dict[str, str]:
+    """OUT/drafter (fp16 component + provenance) and, for a bundle directory, OUT/bundle."""
+    from safetensors.torch import save as save_safetensors
+
+    state = {k: v.detach().to("cpu", torch.float16 if v.is_floating_point() else v.dtype).contiguous()
+             for k, v in drafter.state_dict().items()}
+    files = {"drafter/config.json": json.dumps(dataclasses.asdict(drafter.config), indent=2).encode(),
+             "drafter/model.safetensors": save_safetensors(state),
+             "drafter/provenance.json": (json.dumps(provenance, indent=2, default=str) + "\n").encode()}
+    written = {"drafter": out.uri_for("drafter")}
+    from adt_core.models.bundle import resolve_bundle_dir
+
+    try:
+        src = resolve_bundle_dir(cfg.bundle)
+    except (FileNotFoundError, OSError):
+        src = None
+    if cfg.export_bundle and src is not None and src.is_dir():
+        meta = json.loads((src / "bundle.json").read_text())
+        comps = meta["components"]
+        for part in ("target", "vq"):
+            for f in sorted((src / comps[part]).iterdir()):
+                files[f"bundle/{part}/{f.name}"] = f.read_bytes()
+        meta["components"] = {"target": "target", "vq": "vq", "drafter": "drafter"}
+        meta["name"] = f"{meta['name']}+{cfg.run_name}"
+        files["bundle/bundle.json"] = (json.dumps(meta, indent=2) + "\n").encode()
+        for name in ("config.json", "model.safetensors", "provenance.json"):
+            files[f"bundle/drafter/{name}"] = files[f"drafter/{name}"]
+        written["bundle"] = out.uri_for("bundle")
+    for key, data in files.items():
+        out.put_bytes(key, data)
+    return written
+
+
+def run(cfg: TrainDrafterConfig, say: Callable[[str], None]) -> int:
+    from pipeline.cluster import ClusterUnavailable, connect
+    from pipeline.worker import load_bundle_spec
+
+    t_job = time.time()
+    cfg = cfg.model_copy(update={"out": absolute(cfg.out), "prompts": absolute(cfg.prompts), "data": absolute(cfg.data),
+                                 "bundle": cfg.bundle if not os.path.exists(cfg.bundle) else os.path.abspath(cfg.bundle),
+                                 "eval": cfg.eval.model_copy(update={"prompts": absolute(cfg.eval.prompts)})})
+    try:
+        bundle = load_bundle_spec(cfg.bundle, cfg.storage)
+    except Exception as e:  # noqa: BLE001 - any load failure is a refused bundle
+        raise JobError(f"bundle {cfg.bundle!r} cannot be loaded: {type(e).__name__}: {e}", EXIT_BAD_INPUT) from None
+    family = family_of(bundle)
+    if family not in DRAFTER_HEADS:
+        raise JobError(f"bundle {cfg.bundle!r} is a {family} model: no drafter head type for that family "
+                       f"(this job trains heads for: {', '.join(sorted(DRAFTER_HEADS))})", EXIT_NO_HEAD)
+    out = open_storage(cfg.out, cfg.storage)
+    probe_writable(out)
+    if out.exists(RESULT_FILE):
+        say(f"{out.uri_for(RESULT_FILE)} exists: this output already holds a finished drafter")
+        return EXIT_OK
+    check_saved_config(out, cfg)
+    say(f"config {cfg.config_hash()} saved to {out.uri_for(CONFIG_FILE)}")
+
+    from jobs.train.distill import data_job_config
+
+    import ray
+
+    started = False
+    try:
+        started = connect(data_job_config(cfg.bundle, cfg.prompts or cfg.out, cfg.out, 1, 1, cfg.storage,
+                                          cfg.ray_address, "connect"), say)
+        return _run_on_ray(cfg, out, bundle, say, t_job)
+    except ClusterUnavailable as e:
+        raise JobError(str(e), EXIT_NO_RESOURCES) from None
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _run_on_ray(cfg: TrainDrafterConfig, out: Storage, bundle, say, t_job: float) -> int:
+    import ray
+
+    from jobs.train.distill import DataError, cached_captions, heldout_mask, load_grids, table_of, worker_arrays
+    from jobs.train.eval import acceptance, drafter_from_state
+    from jobs.train.ray_train import read_state
+
+    data_store = make_data(cfg, out, say)
+    num_codes = bundle.target.config.vocab_size
+    try:
+        grids = load_grids(data_store, num_codes, tuple(bundle.grid))
+    except DataError as e:
+        raise JobError(str(e), EXIT_BAD_DATA) from None
+    held = heldout_mask(grids.prompt_ids, cfg.distill.heldout_fraction)
+    train_set, heldout_set = grids.subset(~held), grids.subset(held)
+    if len(train_set) < cfg.train.batch_size:
+        raise JobError(f"{len(train_set)} training grid(s) in {data_store.uri} (after holding out "
+                       f"{len(heldout_set)}), fewer than train.batch_size {cfg.train.batch_size}", EXIT_BAD_DATA)
+    say(f"data: {len(grids)} grids ({grids.failed} prompt(s) failed, not used): {len(train_set)} train, "
+        f"{len(heldout_set)} held out; {len(grids.prompts)} distinct prompts")
+    spec = bundle.text_encoder.config() if hasattr(bundle.text_encoder, "config") else {"type": type(bundle.text_encoder).__name__}
+    t0 = time.time()
+    states, masks = cached_captions(out, bundle.text_encoder, spec, grids.prompts, say)
+    say(f"caption rows {tuple(states.shape)} ({time.time() - t0:.0f} s)")
+    train_ref = ray.put(worker_arrays(train_set, states, masks))
+    heldout_ref = ray.put(worker_arrays(heldout_set, states, masks)) if len(heldout_set) else None
+
+    t_train = time.time()
+    checkpoint, workers = fit(cfg, out, train_ref, heldout_ref, say)
+    state = read_state(checkpoint)
+    if state is None or int(state["step"]) != cfg.train.steps:
+        raise JobError(f"training ended without a final checkpoint (step {state and state['step']})", EXIT_TRAINING_FAILED)
+    train_s = time.time() - t_train
+    drafter = drafter_from_state(state)
+    say(f"trained to step {state['step']} in {train_s / 60:.1f} min on this run")
+
+    evaluation = []
+    if cfg.eval.limit:
+        if cfg.eval.prompts:
+            prompts, seeds = read_prompt_table(cfg.eval.prompts, cfg.storage, cfg.eval.limit)
+        else:
+            rows = table_of(heldout_set).to_pylist()[:cfg.eval.limit]
+            prompts, seeds = [r["prompt"] for r in rows], [r["seed"] for r in rows]
+        if prompts:
+            if cfg.eval.threads:
+                torch.set_num_threads(cfg.eval.threads)
+            say(f"evaluation: {', '.join(cfg.eval.methods)} at temperatures {cfg.eval.temperatures} on {len(prompts)} "
+                f"held-out prompt(s)")
+            evaluation = acceptance(bundle, drafter, prompts, seeds, cfg.eval.methods, cfg.eval.temperatures,
+                                    cfg.eval.batch_size, max_tokens=cfg.eval.max_tokens)
+            for r in evaluation:
+                say(f"  {r['method']:7s} T={r['temperature']!s:8s} mean acceptance length "
+                    f"{r['mean_acceptance_length']:.3f} ({r['images']} images)")
+    last = state["metrics"][-1] if state["metrics"] else {}
+    provenance = {
+        "job": "jobs.train_drafter", "config": json.loads(cfg.to_json()), "family": family_of(bundle),
+        "data": {"uri": data_store.uri, "grids": len(grids), "train": len(train_set), "heldout": len(heldout_set),
+                 "failed": grids.failed, "prompts": len(grids.prompts)},
+        "training": {"steps": int(state["step"]), "workers": workers, "final_metrics": last,
+                     "wall_s_this_run": train_s, "checkpoints": out.uri_for(cfg.run_name)},
+        "evaluation": evaluation,
+    }
+    written = export(cfg, out, bundle, drafter, provenance)
+    result = {"status": "done", "config_hash": cfg.config_hash(), **written, "metrics": out.uri_for("metrics.jsonl"),
+              "steps": int(state["step"]), "evaluation": evaluation, "job_wall_s_this_run": time.time() - t_job}
+    out.put_text(RESULT_FILE, json.dumps(result, indent=2, default=str) + "\n", "application/json")
+    say(f"done: drafter in {written['drafter']}; {out.uri_for(RESULT_FILE)}")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jobs.train_drafter", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1], allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML / JSON file of TrainDrafterConfig fields (e.g. jobs/train/recipes/emoji16.yaml).")
+    p.add_argument("--bundle", help="Target bundle: directory, manifest, embedded name or random[:seed].")
+    p.add_argument("--prompts", help="Training prompts (Parquet file, folder or s3:// prefix).")
+    p.add_argument("--data", help="Reuse this earlier batch-job output's token grids instead of making them.")
+    p.add_argument("--out", help="Output root (path or s3://).")
+    p.add_argument("--eval-prompts", dest="eval.prompts", help="Held-out prompt Parquet for the acceptance evaluation.")
+    p.add_argument("--num-workers", dest="num_workers", type=int, help="Ray Train workers.")
+    p.add_argument("--steps", dest="train.steps", type=int, help="Optimizer steps.")
+    p.add_argument("--ray-address", dest="ray_address", help="Ray cluster address.")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="Any config field by dotted name (YAML value), e.g. --set train.lr=1e-3 --set eval.methods=[eagle2].")
+    p.add_argument("--print-config", action="store_true", help="Print the resolved config and exit.")
+    return p
+
+
+def overrides_from(args: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in args.items() if k not in ("config", "set", "print_config") and v is not None}
+    for item in args["set"]:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected FIELD=VALUE")
+        try:
+            out[key.strip()] = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {key}: not valid YAML: {e}") from None
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args["config"], overrides_from(args))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    if args["print_config"]:
+        print(cfg.to_json(), end="")
+        return EXIT_OK
+    say = lambda msg: print(f"[train_drafter] {msg}", flush=True)  # noqa: E731
+    try:
+        return run(cfg, say)
+    except JobError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.code
+    except StorageUnavailable as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_STORAGE
+    except KeyboardInterrupt:
+        print("error: interrupted; run the same command again to resume", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - a bug: say so with the traceback
+        log.exception("internal error")
+        print(f"error: internal error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())
