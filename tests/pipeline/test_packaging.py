@@ -44,9 +44,71 @@ def test_core_dependencies_cover_the_default_bundle_and_ray_data():
     assert ours[0] >= Version("17")
 
 
+# The floors in pyproject.toml and why: package -> (oldest release the code works with, what
+# the code uses that needs it, a file that uses it, how the floor was found). Found by running
+# the tests that use each package on its floor and on the release before it (PYTHONPATH over
+# this venv), except torch (only torch 2.13 is installed here; its floor is the documented
+# version of the API). Re-check a floor here whenever the code starts using a newer API.
+FLOORS = {
+    "torch": ("2.5", "torch.serialization.safe_globals", "adt_core/models/checkpoints.py",
+              "documented: safe_globals is new in torch 2.5"),
+    "transformers": ("4.56", "dtype=DTYPES", "adt_core/models/t5.py",
+                     "T5 / MiniLM encoders load on 4.56.0; 4.55.4 fails (TypeError: dtype is not JSON serializable)"),
+    "huggingface_hub": ("0.34", "snapshot_download", "adt_core/models/hub.py",
+                        "transformers 4.56 requires >= 0.34; hf:// offline cache reads pass on 0.34.0"),
+    "botocore": ("1.35.69", "IfMatch=token", "pipeline/s3.py",
+                 "PutObject's IfNoneMatch appears in 1.35.2, IfMatch in 1.35.69 (S3 service model, bisected); "
+                 "the lease tests fail on 1.35.68 (ParamValidationError), pass on 1.35.69"),
+    "boto3": ("1.35.69", "IfMatch=token", "pipeline/s3.py", "boto3 1.35.69 is the release that needs botocore 1.35.69"),
+    "moto": ("5.1.5", "IfMatch=token", "pipeline/s3.py",
+             "its S3 server refuses a stale IfMatch from 5.1.5 (5.1.4 stores the object: the lease takeover test fails)"),
+    "pyarrow": ("17", "pyarrow.parquet", "pipeline/shards.py",
+                "ray[data] 2.60 requires >= 17; ledger, lease, storage and cron tests pass on 17.0.0"),
+    "ray": ("2.60", "ray.data", "pipeline/execute.py", "the Ray Data release the pipeline is written and tested on"),
+    "ftfy": ("6.1", "fix_text", "adt_core/models/t5.py", "cleaning tests pass on 6.1.1"),
+    "beautifulsoup4": ("4.9.3", "BeautifulSoup", "adt_core/models/t5.py",
+                       "cleaning tests pass on 4.9.3 (script / style / CDATA as on 4.15)"),
+}
+
+
+def _declared() -> dict[str, Requirement]:
+    """Every requirement of the project: core dependencies and every extra."""
+    out = _reqs(PYPROJECT["project"]["dependencies"])
+    for items in PYPROJECT["project"]["optional-dependencies"].values():
+        out.update(_reqs(items))
+    return out
+
+
+def _floor(req: Requirement) -> Version | None:
+    found = [Version(s.version) for s in req.specifier if s.operator in (">=", "==")]
+    return max(found) if found else None
+
+
+@pytest.mark.parametrize("name", sorted(FLOORS))
+def test_declared_floor_covers_the_api_the_code_uses(name):
+    needed, api, where, _ = FLOORS[name]
+    req = _declared().get(name.lower().replace("_", "-"))
+    assert req is not None, f"{name} is not declared in pyproject.toml"
+    floor = _floor(req)
+    assert floor is not None and floor >= Version(needed), f"{name}: declared {req.specifier}, the code needs >= {needed}"
+    assert api in (ROOT / where).read_text(), f"{where} no longer uses {api}: re-check the {name} floor"
+    assert Version(md.version(name)) >= floor  # this venv itself meets it
+
+
+def test_every_floor_has_a_reason_beside_it():
+    """Each floored package's line in pyproject.toml carries a comment (its reason)."""
+    lines = (ROOT / "pyproject.toml").read_text().splitlines()
+    for name in ("torch", "transformers", "boto3", "botocore", "pyarrow", "ray", "huggingface_hub"):
+        line = next(ln for ln in lines if ln.strip().startswith(f'"{name}') and ">=" in ln)
+        assert "#" in line, f"no reason beside the {name} floor: {line}"
+    text = (ROOT / "pyproject.toml").read_text()
+    assert "moto >= 5.1.5" in text and "ftfy 6.1.1" in text
+
+
 def test_extras_and_makefile():
     extras = {k: _reqs(v) for k, v in PYPROJECT["project"]["optional-dependencies"].items()}
-    assert "datasets" in extras["dev"] and "matplotlib" in extras["report"] and "ftfy" in extras["t5"]
+    assert "datasets" in extras["dev"] and "matplotlib" in extras["report"]
+    assert {"ftfy", "beautifulsoup4"} <= set(extras["t5"])  # LlamaGen's caption cleaner uses both
     installs = re.search(r"install -q -e '\.\[([a-z0-9,]+)\]'", (ROOT / "Makefile").read_text())
     assert installs and {"dev", "report"} <= set(installs.group(1).split(","))
 
