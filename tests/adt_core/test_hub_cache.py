@@ -150,3 +150,33 @@ def test_hf_home_and_offline_mode_are_read_from_the_environment(published, tmp_p
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == str(home / "hub" / "models--org--llamagen" / "snapshots" / COMMIT / "vq_ds16_t2i.pt")
+
+
+def test_the_shipped_hub_manifest_loads_from_the_cache_offline(tmp_path, monkeypatch):
+    """infra/manifests/llamagen_t2i_stage1_hub.yaml against tiny files at the real caption
+    length (120) and grid (16), cached under the three real repository names."""
+    import adt_core
+    from adt_core.models import checkpoints
+    from adt_core.models.gpt import GPTConfig
+    from test_checkpoints import tiny_drafter, tiny_gpt, tiny_vq, write_lantern_drafter, write_llamagen_pt, write_vq_pt
+    from test_t5 import write_tiny_t5
+
+    cfg = GPTConfig(dim=64, n_layer=1, n_head=4, vocab_size=32, cls_token_num=120, caption_dim=16, grid_h=16,
+                    grid_w=16, multiple_of=64)
+    src = tmp_path / "src"
+    (src / "llamagen").mkdir(parents=True)
+    write_llamagen_pt(tiny_gpt(cfg), src / "llamagen" / "t2i_XL_stage1_256.pt")
+    write_vq_pt(tiny_vq(), src / "llamagen" / "vq_ds16_t2i.pt")
+    write_lantern_drafter(tiny_drafter(cfg), src / "drafter", target=cfg)
+    write_tiny_t5(src / "t5")
+    hub_dir = tmp_path / "hf_home" / "hub"
+    put_in_hub_cache(hub_dir, "peizesun/llamagen_t2i", {f.name: f for f in (src / "llamagen").iterdir()})
+    put_in_hub_cache(hub_dir, "jadohu/llamagen_drafter", {f.name: f for f in (src / "drafter").iterdir()})
+    put_in_hub_cache(hub_dir, "google/flan-t5-xl", {f.name: f for f in (src / "t5").iterdir()})
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub_dir))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: pytest.fail("network"))
+    monkeypatch.setitem(checkpoints.LLAMAGEN_SIZES, "GPT-tiny", 4)  # the real file says GPT-XL
+    bundle = adt_core.load_bundle(ROOT / "infra" / "manifests" / "llamagen_t2i_stage1_hub.yaml")
+    assert bundle.grid == (16, 16) and bundle.text_encoder.max_tokens == 120 and bundle.drafter.config.grid_h == 16
+    assert bundle.text_encoder.path == str(hub_dir / "models--google--flan-t5-xl" / "snapshots" / COMMIT)
