@@ -175,11 +175,14 @@ class JobConfig(_Strict):
     telemetry_rows_per_file: int = Field(
         100_000, ge=1, le=10_000_000, description="Rows per compacted telemetry file (parts are merged at the end of a run)."
     )
-    progress: bool = Field(True, description="Show Ray Data progress bars.")
+    progress: bool = Field(
+        False, description="Also show other libraries' progress output: Ray Data's progress bars and per-dataset "
+        "logs, Hugging Face's download and weight-loading bars (the job's own progress is always shown).",
+    )
     progress_interval_s: float = Field(
-        10.0, gt=0.0, le=3600.0, allow_inf_nan=False,
-        description="Seconds between the driver's progress lines (done / total, images/s, ETA; shown with or "
-        "without --progress, on a terminal and in ray job logs).",
+        5.0, gt=0.0, le=3600.0, allow_inf_nan=False,
+        description="Seconds between the driver's progress lines when no tenth of the images finished meanwhile "
+        "(done / total, images/s, ETA; a bar on a terminal, plain lines in logs).",
     )
     storage: StorageSettings = Field(default_factory=StorageSettings, description="Object-store endpoint settings.")
 

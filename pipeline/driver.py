@@ -2,10 +2,12 @@
 
     read_parquet(prompts) -> keep the selected ids (limit, resume) -> repartition so every
     actor gets work -> map_batches(GeneratorWorker, ActorPoolStrategy(size=N), GPUs or
-    fractional CPUs per actor) -> the driver writes each returned batch of rows durably
-    (pipeline.ledger), then compacts them at the end
+    fractional CPUs per actor) -> rows come back as images finish; the driver writes them
+    durably (pipeline.ledger) and shows the progress (pipeline.execute), then compacts them
 
-then `summary.json` and a one-screen summary. Everything that can be refused is refused
+then `summary.json` and a one-screen summary (pipeline.summary). A run is a
+sequence of small steps sharing one `_Run`: _select (history, resume, the prompts to do) ->
+_generate (Ray and the pool) -> _finish_outputs -> _summarize -> _report. Everything that can be refused is refused
 before Ray starts: the config (the engine's DecodeConfig and sampling included), the prompt
 input (every page of every column read), the output's lease, a resume with another config.
 
@@ -36,7 +38,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, TextIO
 
 import pyarrow as pa
@@ -44,16 +46,19 @@ import pyarrow.compute as pc
 
 from pipeline.checks import JobRefused, check_bundle, check_engine_config
 from pipeline.cluster import ActorPlan, ClusterUnavailable, connect
-from pipeline.execute import JobInterrupted, execute
+from pipeline.execute import JobInterrupted, PoolRun, execute
 from pipeline.config import DEFAULT_INPUT, ConfigError, JobConfig, packaged_input
 from pipeline.history import ConfigChanged, check_and_record, finish_record
 from pipeline.lease import Lease, LeaseHeld
 from pipeline.ledger import Ledger, compact, latest_per_prompt, read_telemetry
+from pipeline.progress import is_terminal, quiet_progress_bars
 from pipeline.prompts import PromptInputError, PromptSource, open_prompts, select_ids
 from pipeline.shards import SAMPLE_COLUMNS, finish_outputs
 from pipeline.retry import StorageUnavailable
 from pipeline.storage import Storage, is_remote, open_storage, parse_uri
-from pipeline.telemetry import STATUS_OK, TELEMETRY_DIR, format_summary, summarize
+from pipeline.summary import format_summary, summarize
+from pipeline.telemetry import STATUS_OK, TELEMETRY_DIR
+from pipeline.worker import GeneratorWorker
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +106,11 @@ def _absolute(cfg: JobConfig) -> JobConfig:
 class _Printer:
     def __init__(self, stream: TextIO):
         self.stream = stream
+        self.terminal = is_terminal(stream)
 
     def __call__(self, msg: str) -> None:
-        print(f"[generate] {msg}", file=self.stream, flush=True)
+        clear = "\r\x1b[K" if self.terminal else ""  # over a progress bar being drawn
+        print(f"{clear}[generate] {msg}", file=self.stream, flush=True)
 
 
 class _Signals:
@@ -130,21 +137,53 @@ class _Signals:
         self.previous = {}
 
 
-def run_job(cfg: JobConfig, stream: Optional[TextIO] = None) -> JobResult:
+def run_job(cfg: JobConfig, stream: Optional[TextIO] = None, worker: type = GeneratorWorker) -> JobResult:
     """Run one generation job end to end; raises JobRefused / StorageUnavailable /
     ClusterUnavailable / LeaseHeld / JobInterrupted when nothing could be done, else
-    returns the summary and the exit code (EXIT_CODES)."""
+    returns the summary and the exit code (EXIT_CODES). `worker` is the actor class (tests
+    pass a subclass that injects faults)."""
     signals = _Signals()
     signals.install()
     try:
-        return _run(cfg, sys.stdout if stream is None else stream, signals)
+        return _run(cfg, sys.stdout if stream is None else stream, signals, worker)
     finally:
         signals.restore()
 
 
-def _run(cfg: JobConfig, stream: TextIO, signals: _Signals) -> JobResult:
+@dataclass
+class _Run:
+    """One run of a job, from its lease to its summary: what the steps below share."""
+
+    cfg: JobConfig
+    stream: TextIO
+    say: _Printer
+    signals: _Signals
+    output: Storage
+    source: PromptSource
+    run_id: str
+    lease: Lease
+    worker: type
+    t_job: float  # perf_counter at the start of the job
+    resumed: bool = False  # the output already held telemetry
+    earlier: Optional[pa.Table] = None  # rows of earlier runs (RESULT_COLUMNS), on resume
+    todo: list[str] = field(default_factory=list)  # prompt ids this run generates
+    skipped: int = 0  # selected ids already done
+    ledger: Optional[Ledger] = None
+    plan: Optional[ActorPlan] = None
+    stopped: Optional[BaseException] = None  # why the run ended early
+    exec_s: float = 0.0  # the pool's wall time (Ray start-up excluded)
+
+    @property
+    def wanted(self) -> int:
+        return len(self.todo) + self.skipped
+
+
+RESULT_COLUMNS = ["prompt_id", "status", "finished_at"]
+
+
+def _run(cfg: JobConfig, stream: TextIO, signals: _Signals, worker: type) -> JobResult:
     t_job = time.perf_counter()
-    say = _Printer(stream)
+    quiet_progress_bars(show=cfg.progress)
     cfg = _absolute(cfg)
     check_engine_config(cfg)
     check_bundle(cfg)
@@ -163,100 +202,129 @@ def _run(cfg: JobConfig, stream: TextIO, signals: _Signals) -> JobResult:
         lease.acquire(wait_s=cfg.lease_wait_s)
     except LeaseHeld as e:
         raise JobRefused(str(e), EXIT_OUTPUT_BUSY) from None
+    run = _Run(cfg, stream, _Printer(stream), signals, output, source, run_id, lease, worker, t_job, bool(existing))
     try:
-        return _run_leased(cfg, stream, signals, say, output, source, run_id, lease, bool(existing), t_job)
+        _select(run)
+        _generate(run)
+        _finish_outputs(run)
+        return _report(run, *_summarize(run))
     finally:
         lease.release()
 
 
-def _run_leased(cfg: JobConfig, stream: TextIO, signals: _Signals, say: _Printer, output: Storage,
-                source: PromptSource, run_id: str, lease: Lease, existing: bool, t_job: float) -> JobResult:
-    if existing:
+def _select(run: _Run) -> None:
+    """Check the run against the job's history and choose its prompts (resume skips the done)."""
+    cfg, output = run.cfg, run.output
+    if run.resumed:
         merged = compact(output, cfg.telemetry_rows_per_file)  # parts left by a run that was killed
         if merged:
-            say(f"compacted {merged} telemetry part(s) left by an earlier run")
+            run.say(f"compacted {merged} telemetry part(s) left by an earlier run")
     try:
-        earlier_hash = check_and_record(output, cfg, run_id)
+        earlier_hash = check_and_record(output, cfg, run.run_id)
     except ConfigChanged as e:
         raise JobRefused(str(e)) from None
     if earlier_hash:
-        say(f"WARNING: resuming a job made with config {earlier_hash}; new rows get config {cfg.config_hash()}")
-    cols = ["prompt_id", "status", "finished_at"]
-    earlier = read_telemetry(output, columns=cols) if cfg.resume else None
-    done = set(earlier.filter(pc.equal(earlier["status"], STATUS_OK))["prompt_id"].to_pylist()) if earlier else set()
-    todo, skipped = select_ids(source, cfg.limit, done)
-    wanted = len(todo) + skipped
-    say(f"job {cfg.job_id} (config {cfg.config_hash()}, run {run_id}): {len(source.ids)} prompt(s) in {source.uri}, "
-        f"{wanted} selected, {skipped} already done, output {output.uri}")
+        run.say(f"WARNING: resuming a job made with config {earlier_hash}; new rows get config {cfg.config_hash()}")
+    run.earlier = read_telemetry(output, columns=RESULT_COLUMNS) if cfg.resume else None
+    done = set(run.earlier.filter(pc.equal(run.earlier["status"], STATUS_OK))["prompt_id"].to_pylist()) \
+        if run.earlier else set()
+    run.todo, run.skipped = select_ids(run.source, cfg.limit, done)
+    run.ledger = Ledger(output, run.run_id, cfg.ledger_flush_rows)
+    run.say(f"job {cfg.job_id} (config {cfg.config_hash()}, run {run.run_id}): {len(run.source.ids)} prompt(s) in "
+            f"{run.source.uri}, {run.wanted} selected, {run.skipped} already done, output {output.uri}")
 
-    ledger = Ledger(output, run_id, cfg.ledger_flush_rows)
-    plan: Optional[ActorPlan] = None
-    stopped: Optional[BaseException] = None  # why the run ended early
+
+def _generate(run: _Run) -> None:
+    """Start or join Ray and run the pool; an interruption or a store outage ends it early."""
+    if not run.todo:
+        return
+    started = False
     t_exec = time.perf_counter()
-    if todo:
-        started = False
-        try:
-            started = connect(cfg, say)
-            signals.install()  # ray.init in the main thread installs its own SIGTERM handler
-            lease.on_lost = lambda: _thread.interrupt_main(signal.SIGINT)
-            t_exec = time.perf_counter()
-            plan = execute(cfg, source, todo, ledger, say, run_id)
-        except (JobInterrupted, StorageUnavailable) as e:
-            stopped = e
-        finally:
-            lease.on_lost = None
-            if started:
-                import ray
-
-                ray.shutdown()
-    exec_s = time.perf_counter() - t_exec if todo else 0.0
-    if isinstance(stopped, JobInterrupted) and lease.lost:
-        stopped = StorageUnavailable(output.uri, f"the output lease could not be renewed: {lease.lost}")
-    if isinstance(stopped, JobInterrupted):
-        say(f"{stopped}: finishing what was done")
-
-    wrote: list[str] = []
     try:
-        ledger.flush()
+        started = connect(run.cfg, run.say)
+        run.signals.install()  # ray.init in the main thread installs its own SIGTERM handler
+        run.lease.on_lost = lambda: _thread.interrupt_main(signal.SIGINT)
+        t_exec = time.perf_counter()
+        bar = run.stream if run.say.terminal else None
+        run.plan = execute(PoolRun(run.cfg, run.source, run.todo, run.ledger, run.say, run.run_id, bar, run.worker))
+    except (JobInterrupted, StorageUnavailable) as e:
+        run.stopped = e
+    finally:
+        run.lease.on_lost = None
+        if started:
+            import ray
+
+            ray.shutdown()
+        run.exec_s = time.perf_counter() - t_exec
+    if isinstance(run.stopped, JobInterrupted) and run.lease.lost:
+        run.stopped = StorageUnavailable(run.output.uri, f"the output lease could not be renewed: {run.lease.lost}")
+    if isinstance(run.stopped, JobInterrupted):
+        run.say(f"{run.stopped}: finishing what was done")
+
+
+def _finish_outputs(run: _Run) -> None:
+    """The last rows durable, telemetry parts compacted, shards reconciled."""
+    cfg, output = run.cfg, run.output
+    try:
+        run.ledger.flush()
         compact(output, cfg.telemetry_rows_per_file)
-        if not isinstance(stopped, StorageUnavailable):
-            cols_out = list(dict.fromkeys(cols + ["image_key"] + SAMPLE_COLUMNS))
+        if not isinstance(run.stopped, StorageUnavailable):
+            cols_out = list(dict.fromkeys(RESULT_COLUMNS + ["image_key"] + SAMPLE_COLUMNS))
             done = finish_outputs(output, cfg.output_format, read_telemetry(output, columns=cols_out))
             if done.get("rewritten") or done.get("deleted"):
-                say(f"shards: {done['rewritten']} rewritten, {done['deleted']} deleted (images of rows that were "
-                    f"not durable, now in another shard)")
+                run.say(f"shards: {done['rewritten']} rewritten, {done['deleted']} deleted (images of rows that "
+                        f"were not durable, now in another shard)")
     except StorageUnavailable as e:
-        stopped = stopped if isinstance(stopped, StorageUnavailable) else e
-    summary = summarize(ledger.rows(), wall_time_s=exec_s, skipped=skipped, total_input=wanted)
-    summary["job_wall_time_s"] = time.perf_counter() - t_job
-    mine = ledger.rows().select(cols)
-    everything = pa.concat_tables([earlier.select(cols).cast(mine.schema), mine]) if earlier is not None else mine
+        run.stopped = run.stopped if isinstance(run.stopped, StorageUnavailable) else e
+
+
+def _summarize(run: _Run) -> tuple[dict[str, Any], int]:
+    """This run's summary (summary.json) and the job's exit code."""
+    cfg = run.cfg
+    summary = summarize(run.ledger.rows(), wall_time_s=run.exec_s, skipped=run.skipped, total_input=run.wanted)
+    summary["job_wall_time_s"] = time.perf_counter() - run.t_job
+    mine = run.ledger.rows().select(RESULT_COLUMNS)
+    everything = pa.concat_tables([run.earlier.select(RESULT_COLUMNS).cast(mine.schema), mine]) \
+        if run.earlier is not None else mine
     statuses = latest_per_prompt(everything)["status"].to_pylist()
-    code = _exit_code(cfg, summary, stopped)
+    code = _exit_code(cfg, summary, run.stopped)
+    plan = run.plan
     summary.update(
-        job_id=cfg.job_id, run_id=run_id, config_hash=cfg.config_hash(), input=source.uri, output=output.uri,
-        device=plan.device if plan else None, num_actors=plan.num_actors if plan else 0,
-        job_ok=statuses.count("ok"), job_failed=statuses.count("failed"), durable_rows=ledger.rows_written,
+        job_id=cfg.job_id, run_id=run.run_id, config_hash=cfg.config_hash(), input=run.source.uri,
+        output=run.output.uri, device=plan.device if plan else None, num_actors=plan.num_actors if plan else 0,
+        method=cfg.decode.method, engine_batch=cfg.decode.batch_size, budget=_budget(cfg),
+        job_ok=statuses.count("ok"), job_failed=statuses.count("failed"), durable_rows=run.ledger.rows_written,
         status={EXIT_INTERRUPTED: "interrupted", EXIT_STORAGE_UNAVAILABLE: "storage unavailable"}.get(code, "done"),
-        exit_code=code, error=str(stopped) if stopped else None,
+        exit_code=code, error=str(run.stopped) if run.stopped else None,
     )
-    where = {"images": output.uri_for("images" if cfg.output_format == "files" else "shards"), "telemetry": output.uri_for(TELEMETRY_DIR),
-             "summary": output.uri_for("summary.json"), "config": output.uri_for("job.json")}
+    return summary, code
+
+
+def _budget(cfg: JobConfig) -> Optional[str]:
+    """The engine's draft budget mode ('cost', ...) when the job's method drafts adaptively."""
+    return cfg.decode.adaptive.budget if cfg.decode.method == "adt" else None
+
+
+def _report(run: _Run, summary: dict[str, Any], code: int) -> JobResult:
+    """Write summary.json and the run record, print the summary and what the exit code means."""
+    cfg, output, say = run.cfg, run.output, run.say
+    where = {"images": output.uri_for("images" if cfg.output_format == "files" else "shards"),
+             "telemetry": output.uri_for(TELEMETRY_DIR), "summary": output.uri_for("summary.json"),
+             "config": output.uri_for("job.json")}
     try:
         output.put_text("summary.json", json.dumps(summary, indent=2, default=str) + "\n", "application/json")
-        finish_record(output, cfg, run_id, {"exit_code": code, "status": summary["status"], "ok": summary["ok"],
-                                            "failed": summary["failed"], "skipped": skipped})
-        wrote.append("summary")
+        finish_record(output, cfg, run.run_id, {"exit_code": code, "status": summary["status"], "ok": summary["ok"],
+                                                "failed": summary["failed"], "skipped": run.skipped})
     except StorageUnavailable as e:
         code = EXIT_STORAGE_UNAVAILABLE
         summary.update(status="storage unavailable", exit_code=code, error=summary["error"] or str(e))
         where["summary"] = "(not written: storage unavailable)"
-    print(format_summary(summary, title=f"job {cfg.job_id}", where=where), file=stream, flush=True)
+    print(format_summary(summary, title=f"job {cfg.job_id}", where=where, report_hint=cfg.output),
+          file=run.stream, flush=True)
     if summary["error"]:
         say(f"error: {summary['error']}")
-    failed = summary["failed"]
     if code == EXIT_ROWS_FAILED:
-        say(f"{failed} row(s) failed: exit code {code} (pass --allow-failures to exit 0)")
+        say(f"{summary['failed']} row(s) failed: exit code {code} (pass --allow-failures to exit 0)")
     elif code != EXIT_OK:
         say(f"exit code {code}: {EXIT_CODES[code]}")
     return JobResult(summary=summary, exit_code=code, output_uri=output.uri)

@@ -1,17 +1,22 @@
-"""Running the actor pool: the Ray Data plan of one run, each returned batch of rows handed
-to the ledger before the next is taken.
+"""Running the actor pool: the Ray Data plan of one run, rows handed to the ledger as images
+finish.
 
     read_parquet(prompts) -> keep the selected ids -> repartition so every actor gets work
-    -> map_batches(GeneratorWorker, ActorPoolStrategy(min, max), GPUs or CPU shares per
-    actor) -> iter_batches -> Ledger.add
+    -> materialize -> map_batches(GeneratorWorker, ActorPoolStrategy(min, max), GPUs or CPU
+    shares per actor) -> iter_batches -> unpack -> RowSink (ledger + progress)
+
+The prompts are read (and materialized: a few hundred bytes per prompt in the object store)
+before the actors start, because the generation stage runs under a 1-byte block-size target:
+each chunk a worker yields is handed on at once instead of being held until Ray Data's
+default 128 MiB block fills, and that target would split the prompt read into one-row blocks.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import signal
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, Optional, TextIO
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -19,11 +24,28 @@ import pyarrow.compute as pc
 from pipeline.cluster import ActorPlan, autoscaler_max_resources, plan_actors, plan_gpu_demand, ray_target, wait_for_gpus
 from pipeline.config import JobConfig
 from pipeline.ledger import Ledger
-from pipeline.progress import Progress
+from pipeline.progress import Progress, quiet_ray_data
+from pipeline.progress_sink import RowSink
 from pipeline.prompts import PromptSource
 from pipeline.retry import StorageUnavailable, is_transient
 from pipeline.storage import is_remote
-from pipeline.worker import FAULT_ENV, GeneratorWorker
+from pipeline.worker import GeneratorWorker, unpack
+
+STREAM_BLOCK_BYTES = 1  # generation stage: every yielded chunk is a block of its own
+
+
+@dataclass
+class PoolRun:
+    """One run of the actor pool: its prompts, where its rows go and how it reports."""
+
+    cfg: JobConfig
+    source: PromptSource
+    todo: list[str]  # prompt ids to generate, in input order
+    ledger: Ledger
+    say: Callable[[str], None]
+    run_id: Optional[str] = None
+    bar: Optional[TextIO] = None  # a terminal: progress drawn as a bar there, else plain lines
+    worker: type = GeneratorWorker  # the actor class (tests pass a subclass that injects faults)
 
 
 class JobInterrupted(BaseException):
@@ -56,61 +78,63 @@ def _dataset_failure(err: BaseException, source: PromptSource) -> Optional[Stora
     return None
 
 
-def execute(cfg: JobConfig, source: PromptSource, todo: list[str], ledger: Ledger, say: Callable[[str], None],
-            run_id: Optional[str] = None) -> ActorPlan:
-    """Run the actor pool over `todo`, handing every returned batch of rows to the ledger."""
+def execute(run: PoolRun) -> ActorPlan:
+    """Run the actor pool over `run.todo`, handing every chunk of rows to the ledger."""
     import ray
     from ray.autoscaler.sdk import request_resources
 
+    cfg = run.cfg
     address = ray_target(cfg)
     resources = ray.cluster_resources()
-    demand = plan_gpu_demand(cfg, resources, len(todo), address, autoscaler_max_resources())
+    demand = plan_gpu_demand(cfg, resources, len(run.todo), address, autoscaler_max_resources())
     try:
         if demand is not None:
-            resources = wait_for_gpus(demand, say, ray.cluster_resources, request_resources)
-        return _run_pool(cfg, source, todo, ledger, say, run_id, resources, address,
-                         demand.wait_s if demand else 0.0)
+            resources = wait_for_gpus(demand, run.say, ray.cluster_resources, request_resources)
+        plan = plan_actors(cfg, resources, num_prompts=len(run.todo), can_grow=address != "local",
+                           waited_s=demand.wait_s if demand else 0.0)
+        _announce(run, plan)
+        _pump(run, plan)
+        return plan
     finally:
         if demand is not None:
             request_resources(bundles=[])  # the job's demand ends with it: the autoscaler may scale down
 
 
-def _run_pool(cfg: JobConfig, source: PromptSource, todo: list[str], ledger: Ledger, say: Callable[[str], None],
-              run_id: Optional[str], resources: dict[str, float], address: str, waited_s: float) -> ActorPlan:
+def _announce(run: PoolRun, plan: ActorPlan) -> None:
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) > 1 and not is_remote(run.cfg.output):
+        run.say(f"WARNING: {len(nodes)} nodes but a local output path: images land on each worker's own disk")
+    for note in plan.notes:
+        run.say(note)
+    run.say(f"{len(run.todo)} prompt(s) to generate on {plan.num_actors} {plan.device} actor(s) "
+            f"({plan.num_gpus:g} GPU, {plan.num_cpus:g} CPU each), {run.cfg.rows_per_call()} prompts per call, "
+            f"{run.cfg.decode.batch_size} in flight per actor; each actor loads the bundle first "
+            f"(its 'worker ready' line says how long that took)")
+
+
+def _dataset(run: PoolRun, plan: ActorPlan):
+    """The Ray Data plan: the selected prompts (materialized) -> the generator actor pool."""
     import ray
     from ray.data import ActorPoolStrategy, DataContext
 
-    plan = plan_actors(cfg, resources, num_prompts=len(todo), can_grow=address != "local", waited_s=waited_s)
-    rows = cfg.rows_per_call()
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    if len(nodes) > 1 and not is_remote(cfg.output):
-        say(f"WARNING: {len(nodes)} nodes but a local output path: images land on each worker's own disk")
-    for note in plan.notes:
-        say(note)
-    say(f"{len(todo)} prompt(s) to generate on {plan.num_actors} {plan.device} actor(s) "
-        f"({plan.num_gpus:g} GPU, {plan.num_cpus:g} CPU each), {rows} prompts per call, "
-        f"{cfg.decode.batch_size} in flight per actor")
-
+    cfg, rows = run.cfg, run.cfg.rows_per_call()
     ctx = DataContext.get_current()
-    ctx.enable_progress_bars = cfg.progress
+    quiet_ray_data(ctx, show=cfg.progress)
     if ctx.wait_for_min_actors_s < 0:
         ctx.wait_for_min_actors_s = 1800  # fail rather than hang when actors cannot be placed
-
+    source = run.source
     ds = ray.data.read_parquet(source.paths, filesystem=source.filesystem).select_columns(source.columns)
-    if len(todo) < len(source.ids):
-        ds = ds.map_batches(_keep_ids, fn_kwargs={"ids": pa.array(todo, pa.string())}, batch_format="pyarrow")
+    if len(run.todo) < len(source.ids):
+        ds = ds.map_batches(_keep_ids, fn_kwargs={"ids": pa.array(run.todo, pa.string())}, batch_format="pyarrow")
     # Small prompt files arrive as one block (one actor would get everything): split by rows.
-    per_block = max(1, min(rows, math.ceil(len(todo) / (plan.pool_max * 4))))
-    ds = ds.repartition(target_num_rows_per_block=per_block)
-    ds = ds.map_batches(
-        GeneratorWorker,
-        fn_constructor_kwargs={
-            "config": cfg.model_dump(mode="json"),
-            "device": plan.device,
-            "fault": os.environ.get(FAULT_ENV),
-            "num_threads": plan.threads,
-            "run_id": run_id,
-        },
+    per_block = max(1, min(rows, math.ceil(len(run.todo) / (plan.pool_max * 4))))
+    prompts = ds.repartition(target_num_rows_per_block=per_block).materialize()  # read errors: see _pump
+    ds = prompts.map_batches(
+        run.worker,
+        fn_constructor_kwargs={"config": cfg.model_dump(mode="json"), "device": plan.device,
+                               "num_threads": plan.threads, "run_id": run.run_id},
         batch_size=rows,
         batch_format="pyarrow",
         compute=(ActorPoolStrategy(min_size=plan.num_actors, max_size=plan.pool_max) if plan.pool_max > plan.num_actors
@@ -118,21 +142,32 @@ def _run_pool(cfg: JobConfig, source: PromptSource, todo: list[str], ledger: Led
         num_gpus=plan.num_gpus or None,
         num_cpus=plan.num_cpus,
     )
-    batches = iter(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
+    ds.context.target_max_block_size = STREAM_BLOCK_BYTES  # this dataset's context: the prompt read is done
+    return ds
+
+
+def _pump(run: PoolRun, plan: ActorPlan) -> None:
+    """Chunks of rows from the pool to the sink (ledger + progress) until the pool is done; the
+    progress heartbeat starts before the prompts are read."""
+    progress = Progress(len(run.todo), run.say, run.cfg.progress_interval_s, bar=run.bar)
+    sink = RowSink(run.ledger, progress)
+    batches = iter(())
     try:
-        progress = Progress(len(todo), say, cfg.progress_interval_s)
-        for batch in batches:
-            ledger.add(batch)  # durable before the next batch is taken
-            progress.add(batch.num_rows, pc.sum(pc.equal(batch["status"], "ok")).as_py() or 0)
+        batches = iter(_dataset(run, plan).iter_batches(batch_size=None, batch_format="pyarrow"))
+        for chunk in batches:
+            sink.put(unpack(chunk))
+        sink.close()
     except (StorageUnavailable, JobInterrupted):
         raise
     except Exception as e:  # noqa: BLE001 - a failed execution: a store, or a bug
-        outage = _dataset_failure(e, source)
+        outage = _dataset_failure(e, run.source)
         if outage is not None:
             raise outage from e
         raise
     finally:
-        close = getattr(batches, "close", None)
-        if close is not None:
-            close()  # stops the pool when we leave early
-    return plan
+        try:
+            sink.stop()  # what arrived is written
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()  # stops the pool when we leave early

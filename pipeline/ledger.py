@@ -37,7 +37,8 @@ PART_MARK = "-part-"
 # Columns the run summary needs; the ledger keeps only these in memory.
 SUMMARY_COLUMNS = ["prompt_id", "status", "error", "finished_at", "actor_id", "speedup", "estimated_speedup",
                    "estimated_speedup_model", "estimate_source", "mean_acceptance_length", "draft_acceptance_rate",
-                   "generation_time_ms", "baseline_tokens_match", "sampler", "lossy"]
+                   "generation_time_ms", "baseline_tokens_match", "sampler", "lossy", "num_spec_steps",
+                   "num_draft_tokens"]
 
 
 def _telemetry_keys(output: Storage) -> list[str]:

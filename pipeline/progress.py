@@ -1,11 +1,26 @@
-"""Progress of a run with a known total: done / total, images/s and an ETA, as plain lines
-(they read the same on a terminal and in `ray job submit` logs, which keep no carriage
-returns). The driver knows the total: the prompts it selected."""
+"""Progress of a run with a known total: done / total, images/s and an ETA.
+
+In a terminal the driver draws one bar that redraws in place; in logs and CI (no terminal,
+e.g. `ray job submit`, which keeps no carriage returns) it prints plain lines: one at every
+tenth of the images, one every `interval_s` even when nothing finished (so a long start-up
+reads as waiting, not as a hang), and one at the end. The driver knows the total: the prompts
+it selected.
+
+Other libraries' progress output is off unless `--progress` asks for it (`quiet_progress_bars`,
+`quiet_ray_data`): Ray Data's "Total Progress" bars and per-dataset logs, Hugging Face's
+download and "Loading weights" bars.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, TextIO
+
+BAR_WIDTH = 24
+TENTHS = 10  # a plain line at every tenth of the images
 
 
 def format_duration(seconds: float) -> str:
@@ -16,16 +31,21 @@ def format_duration(seconds: float) -> str:
 
 
 class Progress:
-    """Counts rows as batches arrive and says where the run is at most every `interval_s`
-    (and at the last row). The rate is measured from the first batch, so actor start-up and
-    bundle loading do not drag the ETA."""
+    """Counts rows as they arrive and says where the run is (`say`, one line each time):
+    at every tenth of the total, at least every `interval_s` (`tick`, also while no row
+    arrives), and at the last row. With `bar` (a terminal) it redraws one bar line there
+    instead. The rate is measured from the first rows, so actor start-up and bundle loading
+    do not drag the ETA."""
 
-    def __init__(self, total: int, say: Callable[[str], None], interval_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic):
-        self.total, self.say, self.interval_s, self.clock = total, say, interval_s, clock
+    def __init__(self, total: int, say: Callable[[str], None], interval_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic, bar: Optional[TextIO] = None):
+        self.total, self.say, self.interval_s, self.clock, self.bar = total, say, interval_s, clock, bar
         self.done = self.ok = 0
-        self.first: Optional[tuple[float, int]] = None  # (time, rows) of the first batch
+        self.started = clock()
+        self.first: Optional[tuple[float, int]] = None  # (time, rows) of the first rows
         self.last_said: Optional[float] = None
+        self.tenth_said = 0  # the last tenth of the total a line was said at
+        self.lines = 0  # lines said (or bar redraws)
 
     def add(self, rows: int, ok: int) -> None:
         now = self.clock()
@@ -33,10 +53,24 @@ class Progress:
         self.ok += ok
         if self.first is None:
             self.first = (now, self.done)
-        finished = self.done >= self.total
-        if not finished and self.last_said is not None and now - self.last_said < self.interval_s:
+        self._maybe_say(now, new_rows=True)
+
+    def tick(self) -> None:
+        """Called every second or so while the run goes on: the heartbeat and the bar's clock."""
+        if self.done < self.total:
+            self._maybe_say(self.clock(), new_rows=False)
+
+    def _maybe_say(self, now: float, new_rows: bool) -> None:
+        tenth = self.done * TENTHS // self.total if self.total else TENTHS
+        due = self.last_said is None and new_rows or self.last_said is not None and now - self.last_said >= self.interval_s
+        if self.bar is not None:
+            self._draw(now)
             return
-        self.last_said = now
+        if not (self.done >= self.total or tenth > self.tenth_said or due or
+                (self.last_said is None and now - self.started >= self.interval_s)):
+            return
+        self.last_said, self.tenth_said = now, max(self.tenth_said, tenth)
+        self.lines += 1
         self.say(self.line(now))
 
     def rate(self, now: float) -> Optional[float]:
@@ -46,9 +80,64 @@ class Progress:
 
     def line(self, now: float) -> str:
         pct = 100.0 * self.done / self.total if self.total else 100.0
-        rate = self.rate(now)
         text = f"progress {self.done}/{self.total} ({pct:.1f}%), ok {self.ok}"
+        if self.first is None:
+            return text + f", waiting for the first images ({format_duration(now - self.started)} since the pool started)"
+        rate = self.rate(now)
         if rate:
             left = max(0, self.total - self.done)
             text += f", {rate:.2f} images/s, ETA {format_duration(left / rate)}"
         return text
+
+    def _draw(self, now: float) -> None:
+        frac = self.done / self.total if self.total else 1.0
+        filled = int(round(BAR_WIDTH * frac))
+        rate = self.rate(now)
+        tail = (f"{rate:.2f} images/s, ETA {format_duration(max(0, self.total - self.done) / rate)}" if rate else
+                f"waiting for the first images ({format_duration(now - self.started)})" if self.first is None else "")
+        text = f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {self.done}/{self.total} {100 * frac:.0f}% ok {self.ok} {tail}"
+        end = "\n" if self.done >= self.total else ""
+        self.bar.write(f"\r{text}\x1b[K{end}")
+        self.bar.flush()
+        self.lines += 1
+        self.last_said = now
+
+
+def is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty()) and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):
+        return False
+
+
+def quiet_progress_bars(show: bool = False) -> None:
+    """Hugging Face's progress bars (downloads, transformers' "Loading weights") off, unless
+    `show`; a HF_HUB_DISABLE_PROGRESS_BARS the user set wins."""
+    if show:
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # libraries imported later
+    if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"].lower() not in ("1", "true", "yes", "on"):
+        return
+    if "huggingface_hub" in sys.modules:  # already imported: its flag was read at import
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
+# Ray Data loggers that print progress, and the level that keeps only what matters: the logged
+# "Total Progress" blocks and the notice that bars are off (a warning); the per-dataset start,
+# plan and finish lines (info).
+_RAY_DATA_PROGRESS_LOGGERS = {"ray.data._internal.progress": logging.ERROR,
+                              "ray.data._internal.execution.streaming_executor": logging.WARNING}
+
+
+def quiet_ray_data(context: Any, show: bool = False) -> None:
+    """Ray Data's own progress bars and progress logs for executions under `context` (a
+    DataContext): off unless `show`; warnings and errors still print."""
+    context.enable_progress_bars = show
+    for name, level in _RAY_DATA_PROGRESS_LOGGERS.items():
+        logging.getLogger(name).setLevel(logging.NOTSET if show else level)

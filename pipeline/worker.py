@@ -1,26 +1,32 @@
 """The generator worker: a callable class that Ray Data runs in a pool of actors.
 
-`GeneratorWorker(config)` loads the bundle once (per actor); each call takes one batch of
-prompt rows (a pyarrow Table with prompt_id, prompt[, seed]) and returns one telemetry row
-per prompt (`pipeline.telemetry.SCHEMA`). It is plain Python: tests call it without Ray.
+`GeneratorWorker(config)` loads the bundle once per actor and says so in one line, with how
+long loading and the cost table took. Each call takes one batch of prompt rows (a pyarrow
+Table with prompt_id, prompt[, seed]) and yields telemetry rows (`pipeline.telemetry.SCHEMA`)
+as images finish, so the driver's progress moves per image, not per call. It is plain Python:
+tests call `run(batch)` (every row as one table) without Ray.
 
 The whole Ray batch goes through one engine stream: up to `decode.batch_size` images in
 flight, the next prompt admitted as soon as one finishes. Order per prompt: the image
-finishes -> store the PNG at <output>/images/<safe prompt id>.png -> its row (with
-`output_format` webdataset / parquet the call's images go into shards, written before the
-call returns its rows: pipeline.shards). The driver
-writes rows after the batch returns, so an ok row always means the image exists; a retried
-batch rewrites the same keys (no duplicates). The AR baseline (a sampled fraction of prompts)
-decodes afterwards, all sampled prompts of the batch together at the same engine batch size.
+finishes -> store the PNG at <output>/images/<safe prompt id>.png -> its row. Rows leave in
+chunks, at most one every YIELD_EVERY_S (the rest when the call ends), each chunk packed
+into one Arrow row (`pack`) so Ray Data hands it on at once instead of merging it into a
+block of its own size target. The driver writes rows as they arrive, so an ok row always
+means the image exists; a retried batch rewrites the same keys (no duplicates).
+
+A sampled fraction of prompts (`baseline_fraction`) is also decoded with vanilla AR, all of
+the batch's together at the same engine batch size, before the batch itself; they enter
+the engine first, and the batch's rows wait until they have finished, so every row's
+estimated speedup is calibrated on the batch's measured rows (`_Outbox`). With output_format
+webdataset / parquet, rows leave once their images are in a written shard
+(`shard_size` images, or the call's images when the call ends: pipeline.shards).
 
 Failures: an invalid row or an exception while generating/storing one prompt becomes a
 failed row; a prompt the engine cannot take (e.g. its caption fails to encode) fails alone
 while the others stay in flight. When the engine itself raises mid-batch, the prompts not
-finished yet are retried one by one so one bad prompt fails alone. Only an unrecoverable error (out of memory twice, a dead CUDA device)
-ends the actor process; Ray restarts it and retries the batch.
-
-Test-only fault switch: ADT_PIPELINE_FAULT=kill_once:<marker file> makes the first actor
-that stores an image mid-batch create the marker and SIGKILL itself (once per marker).
+finished yet are retried one by one so one bad prompt fails alone. Only an unrecoverable
+error (out of memory twice, a dead CUDA device) ends the actor process; Ray restarts it and
+retries the batch.
 """
 
 from __future__ import annotations
@@ -29,9 +35,9 @@ import hashlib
 import io
 import logging
 import os
-import signal
 import socket
 import time
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import pyarrow as pa
@@ -39,14 +45,32 @@ import pyarrow as pa
 from pipeline.config import JobConfig, StorageSettings
 from pipeline.costs import attach_costs
 from pipeline.metrics import WorkerMetrics
+from pipeline.progress import quiet_progress_bars
 from pipeline.prompts import MAX_SEED, derived_seed, row_problem
 from pipeline.shards import Sample, sample_key, write_shards
 from pipeline.storage import image_key, open_storage
-from pipeline.telemetry import RowContext, add_baseline, calibrate_estimates, failed_row, ok_row, to_table
+from pipeline.telemetry import (SCHEMA, RowContext, add_baseline, calibrate_estimates, empty_table, failed_row, ok_row,
+                                to_table)
 
 log = logging.getLogger(__name__)
 
-FAULT_ENV = "ADT_PIPELINE_FAULT"
+YIELD_EVERY_S = 0.25  # rows leave a call at most this often (one Ray object and one ledger part each)
+PACKED_COLUMN = "rows"
+PACKED_TYPE = pa.list_(pa.struct(list(SCHEMA)))
+
+
+def pack(rows: list[dict]) -> pa.Table:
+    """Telemetry rows -> one Arrow row holding them all (column `rows`: list<telemetry struct>)."""
+    structs = to_table(rows).to_struct_array().combine_chunks()
+    return pa.table({PACKED_COLUMN: pa.ListArray.from_arrays(pa.array([0, len(rows)], pa.int32()), structs)})
+
+
+def unpack(table: pa.Table) -> pa.Table:
+    """The telemetry rows of packed chunks (the inverse of `pack`, for any number of chunks)."""
+    if table.num_rows == 0:
+        return empty_table()
+    structs = table[PACKED_COLUMN].combine_chunks().flatten()
+    return pa.Table.from_struct_array(structs).cast(SCHEMA)
 
 
 class WorkerDied(RuntimeError):
@@ -114,6 +138,16 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
+def _process_age() -> float:
+    """Seconds since this process started (imports and Ray's actor start-up included)."""
+    try:
+        import psutil  # a Ray dependency
+
+        return time.time() - psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - not essential
+        return 0.0
+
+
 def _ray_context() -> tuple[str, str, bool]:
     """(actor id, node id, inside a Ray actor)."""
     try:
@@ -131,14 +165,14 @@ def _ray_context() -> tuple[str, str, bool]:
 class GeneratorWorker:
     """Callable class for `Dataset.map_batches(..., batch_format="pyarrow")`."""
 
-    def __init__(self, config: dict | JobConfig, device: Optional[str] = None, fault: Optional[str] = None,
-                 num_threads: Optional[int] = None, run_id: Optional[str] = None):
+    def __init__(self, config: dict | JobConfig, device: Optional[str] = None, num_threads: Optional[int] = None,
+                 run_id: Optional[str] = None):
         import torch
 
         import adt_core
 
         self.cfg = config if isinstance(config, JobConfig) else JobConfig.model_validate(config)
-        self.fault = fault if fault is not None else os.environ.get(FAULT_ENV)
+        quiet_progress_bars(show=self.cfg.progress)
         if num_threads:
             torch.set_num_threads(num_threads)
         self.device = resolve_device(device or self.cfg.device)
@@ -158,110 +192,118 @@ class GeneratorWorker:
             config_hash=self.cfg.config_hash(), run_id=run_id, actor_id=actor, node_id=node, hostname=socket.gethostname(),
             device=dev_name,
         )
-        self.costs = attach_costs(self.generator, self.storage, dev_name)  # one cost table per job (resume too)
+        t1 = time.perf_counter()
+        costs = attach_costs(self.generator, self.storage, dev_name)  # one cost table per job (resume too)
         self.metrics = WorkerMetrics(self.cfg.decode.method, self.bundle.name)
-        log.info("worker ready: bundle %s on %s in %.1f s (actor %s)", self.bundle.name, dev_name,
-                 time.perf_counter() - t0, actor)
+        t2 = time.perf_counter()
+        cost_note = "" if costs == "unused" else f", cost table {costs} in {t2 - t1:.1f} s"
+        self.ready_line = (f"worker ready {_process_age():.0f} s after its process started: bundle {self.bundle.name} "
+                           f"loaded in {t1 - t0:.1f} s{cost_note} ({dev_name}, {self.cfg.decode.batch_size} in flight)")
+        if self.in_actor:
+            print(self.ready_line, flush=True)  # Ray forwards it to the driver's console and job logs
+        else:
+            log.info("%s", self.ready_line)
 
     # ---- one batch ------------------------------------------------------------------------
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        rows = batch.to_pylist() if isinstance(batch, pa.Table) else _dict_batch_rows(batch)
-        out: list[Optional[dict]] = [None] * len(rows)
-        todo: list[tuple[int, str, str, int]] = []  # (row index, prompt id, prompt, seed)
-        for i, r in enumerate(rows):
+    def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
+        """Ray Data's entry point: one batch of prompt rows in, packed chunks of telemetry rows
+        out as images finish (`pack`; at most one chunk every YIELD_EVERY_S, the rest at the end)."""
+        out = _Outbox(self, self.cfg.output_format != "files")
+        prompts = []
+        for i, r in enumerate(batch.to_pylist() if isinstance(batch, pa.Table) else _dict_batch_rows(batch)):
             pid, prompt, seed = r["prompt_id"], r.get("prompt"), r.get("seed")
             problem = row_problem(prompt, seed, self.cfg.max_prompt_chars)
             if problem:
                 keep = seed if seed is not None and -(2**63) <= seed <= MAX_SEED else None  # fits the int64 column
-                out[i] = failed_row(self.ctx, pid, keep, problem, prompt=prompt)
-            else:
-                todo.append((i, pid, prompt, seed if seed is not None else derived_seed(pid, self.cfg.seed)))
+                out.add(failed_row(self.ctx, pid, keep, problem, prompt=prompt))
+                continue
+            seed = seed if seed is not None else derived_seed(pid, self.cfg.seed)
+            measured = self.baseline is not None and in_baseline_sample(pid, self.cfg.baseline_fraction)
+            prompts.append(_Prompt(pid, prompt, seed, measured))
+        prompts.sort(key=lambda p: not p.measured)  # measured first: their rows calibrate the others' estimates
+        baselines = self._baselines([p for p in prompts if p.measured])
+        out.expect_measured(set(baselines))
+        for p, res in self._stream(prompts):  # as images finish
+            out.add(*self._row(p, res, baselines.get(p.prompt_id)))
+            if out.due():
+                yield from out.release()
+        yield from out.release(final=True)
 
-        stored, baseline, samples = 0, [], []
+    def run(self, batch: pa.Table) -> pa.Table:
+        """Every row of one batch as one table (plain Python use: tests, notebooks)."""
+        return pa.concat_tables([unpack(chunk) for chunk in self(batch)] or [empty_table()])
+
+    def _row(self, p: "_Prompt", res: Any, baseline: Any) -> tuple[dict, Optional[Sample]]:
+        """The row of one finished prompt (its PNG stored first, unless it goes into a shard)."""
+        if isinstance(res, BaseException):
+            return failed_row(self.ctx, p.prompt_id, p.seed, _describe(res), prompt=p.prompt), None
         sharded = self.cfg.output_format != "files"
-        for j, res in self._stream([t[2] for t in todo], [t[3] for t in todo]):  # as images finish
-            i, pid, prompt, seed = todo[j]
-            if isinstance(res, BaseException):
-                out[i] = failed_row(self.ctx, pid, seed, _describe(res), prompt=prompt)
-                continue
-            try:
-                png = encode_png(res.image)
-                key = None if sharded else image_key(pid)
-                if key is not None:
-                    self.storage.put_bytes(key, png, "image/png")  # image before its row
-                row = ok_row(self.ctx, pid, seed, key, res, prompt=prompt)
-                row["generation_time_ms"] = res.stats.total_ms  # this image's share of its rounds
-            except Exception as e:  # noqa: BLE001 - a storage or encoding error fails this row only
-                log.warning("prompt %s failed after generation: %s", pid, _describe(e))
-                out[i] = failed_row(self.ctx, pid, seed, _describe(e), prompt=prompt)
-                continue
-            if self.baseline is not None and in_baseline_sample(pid, self.cfg.baseline_fraction):
-                baseline.append((row, prompt, seed))
-            if sharded:
-                samples.append((i, Sample(sample_key(pid), png, row)))
-            out[i] = row
-            stored += 1
-            if stored == 1 and len(todo) > 1:
-                self._maybe_fault()
-        self._add_baselines(baseline)
-        calibrate_estimates([r for r in out if r is not None and r.get("status") == "ok"])
-        if samples:
-            self._write_shards(samples, out)
-        self.metrics.record(out)
-        return to_table(out)
-
-    def _write_shards(self, samples: list[tuple[int, Sample]], out: list[Optional[dict]]) -> None:
-        """Shards of this call's images, before their rows leave (a failed write fails its rows)."""
         try:
-            write_shards(self.storage, self.cfg.output_format, [s for _, s in samples], self.cfg.shard_size)
-        except Exception as e:  # noqa: BLE001 - the store refused: these rows have no image
+            png = encode_png(res.image)
+            key = None if sharded else image_key(p.prompt_id)
+            if key is not None:
+                self.storage.put_bytes(key, png, "image/png")  # image before its row
+            row = ok_row(self.ctx, p.prompt_id, p.seed, key, res, prompt=p.prompt)
+        except Exception as e:  # noqa: BLE001 - a storage or encoding error fails this row only
+            log.warning("prompt %s failed after generation: %s", p.prompt_id, _describe(e))
+            return failed_row(self.ctx, p.prompt_id, p.seed, _describe(e), prompt=p.prompt), None
+        if baseline is not None:
+            add_baseline(row, baseline)
+        return row, (Sample(sample_key(p.prompt_id), png, row) if sharded else None)
+
+    def write_shards(self, samples: list[Sample]) -> list[dict]:
+        """Shards of these images, before their rows leave; returns the rows (failed ones when
+        the store refused: those rows have no image)."""
+        try:
+            write_shards(self.storage, self.cfg.output_format, samples, self.cfg.shard_size)
+            return [s.row for s in samples]
+        except Exception as e:  # noqa: BLE001
             log.warning("writing %d image(s) into shards failed: %s", len(samples), _describe(e))
-            for i, s in samples:
-                r = s.row
-                out[i] = failed_row(self.ctx, r["prompt_id"], r["seed"], _describe(e), prompt=r["prompt"])
+            return [failed_row(self.ctx, s.row["prompt_id"], s.row["seed"], _describe(e), prompt=s.row["prompt"])
+                    for s in samples]
 
     # ---- helpers --------------------------------------------------------------------------
-    def _stream(self, prompts: list[str], seeds: list[int]) -> Iterator[tuple[int, Any]]:
-        """(index, result or exception) per prompt as images finish: the whole batch in flight in
-        one engine (continuous refill); after an engine error, the unfinished prompts one by one."""
+    def _stream(self, prompts: list["_Prompt"]) -> Iterator[tuple["_Prompt", Any]]:
+        """(prompt, result or exception) as images finish: the whole batch in flight in one
+        engine (continuous refill); after an engine error, the unfinished prompts one by one."""
         from adt_core.results import PromptFailure
 
         if not prompts:
             return
         done: set[int] = set()
         try:
-            for j, res in self.generator.stream(prompts, seeds):
+            for j, res in self.generator.stream([p.prompt for p in prompts], [p.seed for p in prompts]):
                 done.add(j)
-                yield j, (res.error if isinstance(res, PromptFailure) else res)
+                yield prompts[j], (res.error if isinstance(res, PromptFailure) else res)
             return
         except Exception as e:  # noqa: BLE001
             log.warning("batch of %d failed after %d images (%s); retrying one by one", len(prompts), len(done),
                         _describe(e))
             if _is_fatal(e):
                 self._free_memory()
-        for j, (p, s) in enumerate(zip(prompts, seeds)):
+        for j, p in enumerate(prompts):
             if j in done:
                 continue
             try:
-                yield j, self.generator.generate([p], [s])[0]
+                yield p, self.generator.generate([p.prompt], [p.seed])[0]
             except Exception as e:  # noqa: BLE001
                 if _is_fatal(e):
                     self._die(e)
-                yield j, e
+                yield p, e
 
-    def _add_baselines(self, rows: list[tuple[dict, str, int]]) -> None:
-        """Decode the sampled prompts with `ar` at the job's engine batch size, together."""
-        if not rows:
-            return
+    def _baselines(self, prompts: list["_Prompt"]) -> dict[str, Any]:
+        """prompt id -> its vanilla AR result: the measured prompts decoded together, at the job's
+        engine batch size, before the batch itself (empty when the measurement failed)."""
+        if not prompts:
+            return {}
         try:
-            results = self.baseline.generate([p for _, p, _ in rows], [s for _, _, s in rows])
+            results = self.baseline.generate([p.prompt for p in prompts], [p.seed for p in prompts])
         except Exception as e:  # noqa: BLE001 - the measurement is optional; the images are fine
             if _is_fatal(e):
                 self._die(e)
-            log.warning("baseline for %d prompts failed: %s", len(rows), _describe(e))
-            return
-        for (row, _, _), res in zip(rows, results):
-            add_baseline(row, res)
+            log.warning("baseline for %d prompts failed: %s", len(prompts), _describe(e))
+            return {}
+        return {p.prompt_id: res for p, res in zip(prompts, results)}
 
     def _free_memory(self) -> None:
         import gc
@@ -279,19 +321,67 @@ class GeneratorWorker:
             os._exit(70)  # Ray restarts the actor and retries the batch
         raise WorkerDied(_describe(err)) from err
 
-    def _maybe_fault(self) -> None:
-        """Test-only: SIGKILL this actor once, mid-batch (see module docstring)."""
-        if not self.fault or not self.fault.startswith("kill_once:") or not self.in_actor:
+
+@dataclass(frozen=True)
+class _Prompt:
+    prompt_id: str
+    prompt: str
+    seed: int
+    measured: bool  # also decoded with vanilla AR (baseline_fraction)
+
+
+class _Outbox:
+    """One call's rows on their way out. A row leaves once (1) its speedup estimate is final:
+    rows wait until every measured prompt of the call has finished, then all estimates are
+    scaled by the measured / modelled ratio of those rows (telemetry.calibrate_estimates), and
+    (2) with shard outputs, its image is in a written shard (every `shard_size` images, else at
+    the end of the call)."""
+
+    def __init__(self, worker: GeneratorWorker, sharded: bool):
+        self.worker, self.sharded = worker, sharded
+        self.waiting: list[dict] = []  # rows whose estimate is not final yet
+        self.ready: list[dict] = []  # rows that may leave
+        self.samples: list[Sample] = []  # images of final rows not in a shard yet
+        self.measured: set[str] = set()  # measured prompts not finished yet
+        self.anchors: Optional[list[dict]] = None  # (speedup, modelled estimate) of the measured rows
+        self.last = time.monotonic()
+
+    def expect_measured(self, prompt_ids: set[str]) -> None:
+        self.measured = set(prompt_ids)
+
+    def add(self, row: dict, sample: Optional[Sample] = None) -> None:
+        self.measured.discard(row["prompt_id"])
+        self.waiting.append(row)
+        if sample is not None:
+            self.samples.append(sample)
+
+    def due(self) -> bool:
+        return time.monotonic() - self.last >= YIELD_EVERY_S
+
+    def _finalise(self, final: bool) -> None:
+        if self.anchors is None and (not self.measured or final):
+            self.anchors = [{"speedup": r["speedup"], "estimated_speedup": r["estimated_speedup"]}
+                            for r in self.waiting if r.get("speedup") and r.get("estimated_speedup")]
+        if self.anchors is None:
             return
-        marker = self.fault.partition(":")[2]
-        try:
-            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            return
-        os.write(fd, f"{os.getpid()}\n".encode())
-        os.close(fd)
-        log.error("fault switch: killing actor process %d mid-batch", os.getpid())
-        os.kill(os.getpid(), signal.SIGKILL)
+        rows = [r for r in self.waiting if r["status"] == "ok"]
+        calibrate_estimates([dict(a) for a in self.anchors] + rows)  # the copies only carry the ratio
+        in_shard = {id(s.row) for s in self.samples}
+        self.ready += [r for r in self.waiting if id(r) not in in_shard]
+        self.waiting = []
+
+    def release(self, final: bool = False) -> Iterator[pa.Table]:
+        self._finalise(final)
+        size = self.worker.cfg.shard_size
+        if self.sharded and self.anchors is not None and self.samples and (final or (size and len(self.samples) >= size)):
+            cut = len(self.samples) if final else len(self.samples) // size * size
+            self.ready += self.worker.write_shards(self.samples[:cut])
+            self.samples = self.samples[cut:]
+        if self.ready:
+            self.worker.metrics.record(self.ready)
+            yield pack(self.ready)
+            self.ready = []
+        self.last = time.monotonic()
 
 
 def _dict_batch_rows(batch: dict) -> list[dict]:

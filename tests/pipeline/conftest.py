@@ -67,11 +67,6 @@ def ray_session():
         ray.shutdown()
 
 
-@pytest.fixture(autouse=True)
-def _no_fault_env(monkeypatch):
-    monkeypatch.delenv("ADT_PIPELINE_FAULT", raising=False)
-
-
 @pytest.fixture
 def proxy(moto_endpoint):
     """A cuttable TCP proxy in front of the loopback S3 server (.endpoint, .cut(), .restore())."""

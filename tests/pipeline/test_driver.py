@@ -12,6 +12,7 @@ from pipeline.config import ConfigError, StorageSettings, build_config
 from pipeline.cluster import ClusterUnavailable, plan_actors
 from pipeline.driver import EXIT_BAD_INPUT, EXIT_OK, EXIT_ROWS_FAILED, main_guarded, run_job
 from pipeline.storage import image_key, open_storage
+from fault_worker import kill_once_worker
 from pipeline_helpers import simple_rows, write_prompts
 
 FAST = {"method": "ar", "temperature": 0.0}
@@ -112,7 +113,7 @@ def test_s3_end_to_end(tmp_path, ray_session, s3):
     assert json.loads(out.get_text("summary.json"))["job_ok"] == 7
 
 
-def test_partial_run_then_resume_with_an_actor_killed_mid_batch(tmp_path, ray_session, monkeypatch):
+def test_partial_run_then_resume_with_an_actor_killed_mid_batch(tmp_path, ray_session):
     rows = simple_rows(8)
     src = write_prompts(tmp_path / "prompts.parquet", rows)
     first = run_job(job(tmp_path, src, limit=3, num_actors=1), stream=io.StringIO())  # a partial run
@@ -125,11 +126,11 @@ def test_partial_run_then_resume_with_an_actor_killed_mid_batch(tmp_path, ray_se
     assert main_guarded(job(tmp_path, src), stream=io.StringIO(), err=err) == EXIT_BAD_INPUT
     assert "--resume" in err.getvalue()
 
-    # Resume, and the test-only fault switch SIGKILLs an actor after it stored an image
-    # in the middle of a batch: Ray restarts it and retries the batch.
+    # Resume with a test-only worker that SIGKILLs its actor after it stored an image in the
+    # middle of a batch: Ray restarts it and retries the batch.
     marker = tmp_path / "killed.marker"
-    monkeypatch.setenv("ADT_PIPELINE_FAULT", f"kill_once:{marker}")
-    second = run_job(job(tmp_path, src, resume=True, batch_size=3, num_actors=1), stream=io.StringIO())
+    second = run_job(job(tmp_path, src, resume=True, batch_size=3, num_actors=1), stream=io.StringIO(),
+                     worker=kill_once_worker(marker))
     assert marker.exists()  # the fault fired
     s = second.summary
     assert (second.exit_code, s["ok"], s["failed"], s["skipped"], s["job_ok"]) == (EXIT_OK, 5, 0, 3, 8)

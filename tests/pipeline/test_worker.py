@@ -46,7 +46,7 @@ def test_batch_with_good_and_bad_rows(tmp_path):
         {"prompt_id": "negseed", "prompt": "a dog", "seed": -5},
         {"prompt_id": "good2", "prompt": "a blue dog", "seed": None},
     ]
-    out = w(batch(rows))
+    out = w.run(batch(rows))
     assert out.schema.equals(SCHEMA) and out.num_rows == len(rows)
     got = {r["prompt_id"]: r for r in out.to_pylist()}
     assert [got[i]["status"] for i in ("good/1", "good2")] == ["ok", "ok"]
@@ -68,8 +68,8 @@ def test_batch_with_good_and_bad_rows(tmp_path):
 def test_deterministic_and_greedy_matches_ar_baseline(tmp_path):
     w = make_worker(tmp_path, baseline_fraction=1.0)
     rows = [{"prompt_id": f"p{i}", "prompt": f"smiling face {i}", "seed": i} for i in range(2)]
-    a = w(batch(rows)).to_pylist()
-    b = w(batch(rows)).to_pylist()
+    a = w.run(batch(rows)).to_pylist()
+    b = w.run(batch(rows)).to_pylist()
     assert [r["tokens"] for r in a] == [r["tokens"] for r in b]
     for r in a:  # exact speculative decoding: greedy tree decoding == greedy vanilla AR
         assert r["baseline_tokens_match"] is True and r["speedup"] > 0 and r["baseline_time_ms"] > 0
@@ -94,7 +94,7 @@ def test_one_bad_prompt_fails_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(w.generator, "generate", flaky)
     monkeypatch.setattr(w.generator, "stream", flaky_stream)
     rows = [{"prompt_id": f"p{i}", "prompt": p, "seed": i} for i, p in enumerate(["a cat", "boom", "a dog"])]
-    got = {r["prompt_id"]: r for r in w(batch(rows)).to_pylist()}
+    got = {r["prompt_id"]: r for r in w.run(batch(rows)).to_pylist()}
     assert (got["p0"]["status"], got["p1"]["status"], got["p2"]["status"]) == ("ok", "failed", "ok")
     assert got["p1"]["error"] == "RuntimeError: engine exploded on boom"
 
@@ -112,7 +112,7 @@ def test_prompt_the_engine_refuses_fails_alone_while_others_stay_in_flight(tmp_p
     monkeypatch.setattr(enc, "encode", encode)
     texts = ["a cat", "boom", "a dog", "a red heart", "a tree"]
     rows = [{"prompt_id": f"p{i}", "prompt": p, "seed": i} for i, p in enumerate(texts)]
-    got = {r["prompt_id"]: r for r in w(batch(rows)).to_pylist()}
+    got = {r["prompt_id"]: r for r in w.run(batch(rows)).to_pylist()}
     assert [got[f"p{i}"]["status"] for i in range(5)] == ["ok", "failed", "ok", "ok", "ok"]
     assert got["p1"]["error"] == "ValueError: caption cannot be encoded"
 
@@ -128,7 +128,7 @@ def test_storage_error_fails_the_row(tmp_path, monkeypatch):
 
     monkeypatch.setattr(w.storage, "put_bytes", put)
     rows = [{"prompt_id": f"p{i}", "prompt": "a cat", "seed": i} for i in range(2)]
-    got = {r["prompt_id"]: r for r in w(batch(rows)).to_pylist()}
+    got = {r["prompt_id"]: r for r in w.run(batch(rows)).to_pylist()}
     assert got["p0"]["status"] == "ok" and got["p1"]["error"] == "OSError: disk full"
     assert not (tmp_path / "out" / "images" / "p1.png").exists()
 
@@ -142,7 +142,7 @@ def test_unrecoverable_error_outside_ray_raises(tmp_path, monkeypatch):
     monkeypatch.setattr(w.generator, "generate", oom)
     monkeypatch.setattr(w.generator, "stream", oom)
     with pytest.raises(WorkerDied):
-        w(batch([{"prompt_id": "p", "prompt": "a cat", "seed": 1}]))
+        w.run(batch([{"prompt_id": "p", "prompt": "a cat", "seed": 1}]))
 
 
 def test_baseline_sample_is_deterministic_fraction():

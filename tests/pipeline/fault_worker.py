@@ -1,0 +1,53 @@
+"""Test-only fault injection for the actor pool: a GeneratorWorker subclass that SIGKILLs its
+own actor process once, right after storing the first image of a batch of several prompts
+(mid-batch), so Ray restarts the actor and retries the batch. Passed to the driver as
+`run_job(cfg, worker=kill_once_worker(marker))`; production code knows nothing of it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import ray.cloudpickle
+
+from pipeline.worker import GeneratorWorker
+
+# Ray's actors cannot import this file (tests/ is not a package on their path): ship it by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def kill_once_worker(marker: Path) -> type:
+    """The worker class whose first actor to store an image mid-batch creates `marker` and
+    kills itself (once per marker file)."""
+    return type("KillOnceWorker", (_KillOnce,), {"marker": str(marker)})
+
+
+class _KillOnce(GeneratorWorker):
+    marker = ""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batch_rows = 0
+        put = self.storage.put_bytes
+
+        def put_then_maybe_die(key, data, content_type=None):
+            put(key, data, content_type)
+            if self.in_actor and self.batch_rows > 1 and key.startswith("images/"):
+                self._die_once()
+
+        self.storage.put_bytes = put_then_maybe_die
+
+    def __call__(self, batch):
+        self.batch_rows = batch.num_rows
+        yield from super().__call__(batch)
+
+    def _die_once(self) -> None:
+        try:
+            fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.write(fd, f"{os.getpid()}\n".encode())
+        os.close(fd)
+        os.kill(os.getpid(), signal.SIGKILL)
