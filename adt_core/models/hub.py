@@ -59,12 +59,19 @@ def _has(folder: Path, patterns: tuple[str, ...]) -> bool:
 
 
 def _not_cached(url: str, error: Exception) -> FileNotFoundError:
+    """The error for a file the cache lacks (offline) or the repository lacks, with the
+    command that fills the cache the way an online run would."""
     repo, revision, sub = split_hf(url)
-    include = f" --include '{allow_patterns(sub, WEIGHT_FORMATS[0])[-1]}'" if is_directory(sub) else f" {sub}"
+    if is_directory(sub):
+        what = " --include " + " ".join(f"'{p}'" for p in allow_patterns(sub, WEIGHT_FORMATS[0]))
+        what += " (a folder without safetensors: '*.bin' instead)"
+    else:
+        what = f" {sub}"
+    reason = str(error).splitlines()[0] if str(error) else ""
     return FileNotFoundError(
-        f"{url}: not in the Hugging Face cache or not in the repository ({type(error).__name__}: "
-        f"{str(error).splitlines()[0] if str(error) else ''}); with HF_HUB_OFFLINE=1, download it first: "
-        f"hf download {repo} --revision {revision}{include}")
+        f"{url}: not in the Hugging Face cache or not in the repository ({type(error).__name__}: {reason}); "
+        f"run once with network access (HF_HUB_OFFLINE unset) or fill the cache first: "
+        f"hf download {repo} --revision {revision}{what}")
 
 
 def fetch_file(url: str) -> Path:
