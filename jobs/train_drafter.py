@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pipeline.config import ConfigError, StorageSettings, format_validation_error, read_config_file, set_dotted
 from pipeline.storage import Storage, is_remote, open_storage, parse_uri
 from pipeline.retry import StorageUnavailable
+from jobs.train.heads import HEADS, family_of
 
 log = logging.getLogger("jobs.train_drafter")
 
@@ -199,16 +200,6 @@ def absolute(uri: Optional[str]) -> Optional[str]:
     return parse_uri(uri).path
 
 
-def family_of(bundle) -> str:
-    from adt_core.models.gpt import LlamaGenGPT
-
-    return "llamagen" if isinstance(bundle.target, LlamaGenGPT) else type(bundle.target).__name__
-
-
-# families whose EAGLE-style head this job can build and train (jobs/train/drafter.py build_drafter)
-DRAFTER_HEADS = {"llamagen": "adt_core.models.drafter.Drafter (one decoder layer, fc over [embed; feature])"}
-
-
 def probe_writable(out: Storage) -> None:
     key = ".write-probe"
     try:
@@ -293,13 +284,14 @@ def make_data(cfg: TrainDrafterConfig, out: Storage, say) -> Storage:
 FAULT_ENV = "ADT_TRAIN_FAULT"  # tests only (jobs/train/ray_train.py)
 
 
-def train_loop_config(cfg: TrainDrafterConfig, train_ref, heldout_ref) -> dict[str, Any]:
-    return {"train": cfg.train.model_dump(), "bundle": cfg.bundle, "out": cfg.out, "storage": cfg.storage.model_dump(),
+def train_loop_config(cfg: TrainDrafterConfig, family: str, train_ref, heldout_ref) -> dict[str, Any]:
+    return {"train": cfg.train.model_dump(), "bundle": cfg.bundle, "family": family, "out": cfg.out,
+            "storage": cfg.storage.model_dump(),
             "threads_per_worker": cfg.threads_per_worker, "train_ref": train_ref, "heldout_ref": heldout_ref,
             "fault": os.environ.get(FAULT_ENV)}
 
 
-def fit(cfg: TrainDrafterConfig, out: Storage, train_ref, heldout_ref, say):
+def fit(cfg: TrainDrafterConfig, out: Storage, family: str, train_ref, heldout_ref, say):
     """Ray Train: TorchTrainer over `n` workers, checkpoints under OUT/<run_name>; the final checkpoint."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -316,7 +308,7 @@ def fit(cfg: TrainDrafterConfig, out: Storage, train_ref, heldout_ref, say):
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
     )
     trainer = TorchTrainer(
-        train_loop_per_worker, train_loop_config=train_loop_config(cfg, train_ref, heldout_ref),
+        train_loop_per_worker, train_loop_config=train_loop_config(cfg, family, train_ref, heldout_ref),
         scaling_config=ray.train.ScalingConfig(num_workers=n, use_gpu=use_gpu,
                                                resources_per_worker=None if use_gpu else {"CPU": per}),
         run_config=run_config, torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
@@ -375,9 +367,9 @@ def run(cfg: TrainDrafterConfig, say: Callable[[str], None]) -> int:
     except Exception as e:  # noqa: BLE001 - any load failure is a refused bundle
         raise JobError(f"bundle {cfg.bundle!r} cannot be loaded: {type(e).__name__}: {e}", EXIT_BAD_INPUT) from None
     family = family_of(bundle)
-    if family not in DRAFTER_HEADS:
+    if family not in HEADS:
         raise JobError(f"bundle {cfg.bundle!r} is a {family} model: no drafter head type for that family "
-                       f"(this job trains heads for: {', '.join(sorted(DRAFTER_HEADS))})", EXIT_NO_HEAD)
+                       f"(this job trains heads for: {', '.join(sorted(HEADS))})", EXIT_NO_HEAD)
     out = open_storage(cfg.out, cfg.storage)
     probe_writable(out)
     if out.exists(RESULT_FILE):
@@ -430,7 +422,7 @@ def _run_on_ray(cfg: TrainDrafterConfig, out: Storage, bundle, say, t_job: float
     heldout_ref = ray.put(worker_arrays(heldout_set, states, masks)) if len(heldout_set) else None
 
     t_train = time.time()
-    checkpoint, workers = fit(cfg, out, train_ref, heldout_ref, say)
+    checkpoint, workers = fit(cfg, out, family_of(bundle), train_ref, heldout_ref, say)
     state = read_state(checkpoint)
     if state is None or int(state["step"]) != cfg.train.steps:
         raise JobError(f"training ended without a final checkpoint (step {state and state['step']})", EXIT_TRAINING_FAILED)

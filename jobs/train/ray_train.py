@@ -9,8 +9,9 @@ target's widths, its token embedding copied and frozen), then for step s = start
     f        = drafter(token_p, h_{p-1} + U(-noise, noise))                 # both CFG rows
     loss     = SmoothL1(f, h) + ce_weight * CE(softmax(head(h)), log_softmax(head(f)))
 
-(jobs/train/drafter.py defines the pieces). Batches and noise are functions of the step and
-the rank alone, so a run resumed from a checkpoint takes the steps an uninterrupted run takes.
+(jobs/train/drafter.py defines the pieces; jobs/train/heads.py picks them by model family).
+Batches and noise are functions of the step and the rank alone, so a run resumed from a
+checkpoint takes the steps an uninterrupted run takes.
 
 Checkpoints (every `ckpt_every` steps and at the last step) go to Ray Train's storage under the
 output (RunConfig storage_path / name, a pyarrow filesystem for s3://): `state.pt` (drafter,
@@ -36,7 +37,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from jobs.train.drafter import build_drafter, drafter_outputs, losses, target_states
+from jobs.train.drafter import drafter_outputs, losses
+from jobs.train.heads import HEADS
 from jobs.train.target import adamw, autocast, lr_at
 from jobs.train.tokenizer import batch_indices
 
@@ -119,17 +121,18 @@ def _mean_across(values: dict[str, float], world: int) -> dict[str, float]:
 
 
 @torch.no_grad()
-def agreement(target, drafter, data: Shard, t: int, device, amp: str, batch_size: int = 16) -> dict[str, float]:
+def agreement(kind, target, drafter, data: Shard, t: int, device, amp: str, batch_size: int = 16) -> dict[str, float]:
     """Top-1 agreement of head(f) with head(h) and feature smooth-L1 on held-out grids (no noise)."""
     drafter.eval()
     sums = {"heldout_agree_cond": 0.0, "heldout_agree_uncond": 0.0, "heldout_smooth_l1": 0.0}
     n = 0
     for i in range(0, len(data), batch_size):
         tokens, captions, cmask = data.batch(torch.arange(i, min(i + batch_size, len(data))), device)
-        tok, hidden = target_states(target, tokens, captions, cmask, device, amp)
+        tok, hidden = kind.states(target, tokens, captions, cmask, device, amp)
         with autocast(device, amp):
             f, h = drafter_outputs(drafter, tok, hidden, t, 0.0, None)
-        same = target.head(f.float()).argmax(-1) == target.head(h).argmax(-1)  # (2B, n)
+        head = kind.head(target)
+        same = head(f.float()).argmax(-1) == head(h).argmax(-1)  # (2B, n)
         b = tokens.shape[0]
         sums["heldout_agree_cond"] += same[:b].float().sum().item() / same.shape[1]
         sums["heldout_agree_uncond"] += same[b:].float().sum().item() / same.shape[1]
@@ -163,7 +166,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     t = train.states.shape[1]
 
     torch.manual_seed(tc["seed"])  # every rank builds the same initial drafter
-    drafter = build_drafter(target, tc["ffn_dim"]).to(device).train()
+    kind = HEADS[config["family"]]
+    drafter = kind.build(target, tc["ffn_dim"]).to(device).train()
     opt = adamw(drafter, tc["lr"], tc["weight_decay"])
     state = read_state(ray.train.get_checkpoint())
     step, history = 0, []
@@ -185,12 +189,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         images = batch_indices(len(train), step, bs, tc["seed"] + 1)[rank::world]
         tokens, captions, cmask = train.batch(images, device)
         g = torch.Generator().manual_seed(tc["seed"] * 7919 + step * world + rank)
-        tok, hidden = target_states(target, tokens, captions, cmask, device, amp)
+        tok, hidden = kind.states(target, tokens, captions, cmask, device, amp)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, tc["lr"], tc["warmup"], tc["final_lr_frac"])
         with autocast(device, amp):
             f, h = drafter_outputs(model, tok, hidden, t, tc["noise"], g)
-        parts = losses(target.head, f, h, tc["ce_weight"])
+        parts = losses(kind.head(target), f, h, tc["ce_weight"])
         opt.zero_grad(set_to_none=True)
         parts["loss"].backward()
         grad_norm = nn.utils.clip_grad_norm_(drafter.parameters(), tc["grad_clip"])
@@ -212,7 +216,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             window, t_log, s_log = [], now, step
         if rank == 0 and heldout is not None and len(heldout) and tc["eval_every"] and \
                 (step % tc["eval_every"] == 0 or last):
-            record |= agreement(target, drafter, heldout, t, device, amp)
+            record |= agreement(kind, target, drafter, heldout, t, device, amp)
         if rank == 0:
             history.append(record)
             out.put_text(METRICS_FILE, "".join(json.dumps(r) + "\n" for r in history), "application/x-ndjson")
