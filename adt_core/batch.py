@@ -1,51 +1,61 @@
 """Many images in flight: the slots, and one decoding round over all of them.
 
-A `BatchDecoder` holds up to `capacity` images (slots). Slot b owns target-cache rows b and
-capacity + b (cond, uncond) and the same drafter-cache rows. A round serves every active slot:
+A `BatchDecoder` holds up to C images (slots). Slot b owns target-cache rows b and C + b (cond,
+uncond) and the same drafter-cache rows. Every round is whole-batch tensor work over all C slots
+(free ones ride along as padding), with ONE host read per speculative round and none in a plain
+step:
 
-1. plan: each slot's draft request (its ADT controller's shape, EAGLE-2's or the static tree),
-   or none (AR methods, the image's last token, or the cost budget's plain AR step);
-2. draft: `TreeProposer.propose`: one drafter forward per level over every slot's frontier;
-3. trees: per slot, rerank its candidates to its node budget (batch cost budget: a common m);
-4. verify forward: ONE target forward over every slot's root + tree, padded to the widest
-   (padding nodes attend only to themselves), per-row positions and ragged masks;
-5. per slot: verify (greedy / coupled / rejection), commit accepted + bonus, keep root +
-   accepted path in its cache rows (`KVCache.keep_rows`), queue its pairs for the drafter;
-6. finished slots leave; the caller admits new prompts into free slots (continuous refill).
+- plan (host): the method's `Planner` gives a `RoundPlan` or None (adt_core/planner.py);
+- plain step (None, and every `ar` step): one target forward of each slot's root, one draw per
+  slot, commit; the drafter's pairs go to its ring (one indexed store). The same code serves
+  `ar` and a speculative method's non-drafting rounds, so such a round costs what `ar` pays;
+- speculative round: draft (adt_core/draft.py: catch-up + one drafter forward per level), rerank
+  to the plan's M nodes per slot (tree.rerank_batch), ONE target forward over every root + tree
+  (per-row positions and ancestor masks), verify (verify.follow_batch; the rejection sampler and
+  LANTERN's relaxed acceptance verify slot by slot), then the one read: accepted counts and what
+  the planner learns. Commit: keep root + accepted path in each cache row, append the tokens.
 
-Time per image: each round's wall time is shared equally by the images that took part in it
-(round time / images in the round); prefill time by the images admitted together.
+Time per image: each round's wall time is shared equally by its images; prefill time by the
+images admitted together.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from adt_core.adaptive import AdaptiveController, shape_budget
-from adt_core.budget import BatchBudget
-from adt_core.draft import DraftRequest, TreeProposer
+from adt_core.adaptive import AdaptiveGrid
+from adt_core.calibrate import CostTable, Timer
+from adt_core.config import DecodeConfig
+from adt_core.draft import BatchDrafter, DraftScorer, StaticLevels
+from adt_core.models.bundle import Bundle
+from adt_core.planner import Planner, bucket, planner_for
+from adt_core.results import StepStats
+from adt_core.round_log import RoundLog
+from adt_core.round_state import RoundOutcome, RoundPlan, Slots, TreeBatch, Verified
+from adt_core.sampler import Sampler
 from adt_core.sampling import cfg_mix
-from adt_core.tree import DraftTree, rerank, static_children
-
-if TYPE_CHECKING:
-    from adt_core.results import StepStats
+from adt_core.tree import rerank_batch, tree_of
+from adt_core.verify import Relaxation, follow_batch, verify_coupled, verify_greedy, verify_stochastic
 
 
-@dataclass
-class Slot:
-    """One image in flight."""
+@dataclass(frozen=True)
+class DecodeSetup:
+    """What a BatchDecoder needs from its Generator, fixed for the Generator's life."""
 
-    index: int  # position in the caller's prompt list
-    prompt: str
-    seed: int
-    seed_t: torch.Tensor  # (1,) long
-    gen: torch.Generator  # the rejection sampler's randomness (unused by the coupled sampler)
-    committed: list[int]  # image tokens so far
-    ctrl: AdaptiveController | None
-    stats: "StepStats"
+    bundle: Bundle
+    config: DecodeConfig
+    sampler: Sampler
+    scorer: DraftScorer
+    cfg_rows: int  # 2 with classifier-free guidance, else 1
+    n_tokens: int  # image tokens decoded per image
+    device: torch.device
+    timer: Timer
+    costs: CostTable | None  # the cost budget's measured table (adt + cost), else None
+    relax: Relaxation | None  # LANTERN's relaxed acceptance (lossy), else None
+    planners: dict  # capacity -> the last decoder's planner: what it learned carries over
 
 
 @dataclass
@@ -53,239 +63,276 @@ class Finished:
     index: int
     prompt: str
     seed: int
-    tokens: torch.Tensor  # (num_image_tokens,) long
-    stats: "StepStats"
+    tokens: torch.Tensor  # (num_image_tokens,) long, CPU
+    stats: StepStats
 
 
 class BatchDecoder:
-    def __init__(self, gen, capacity: int) -> None:
-        self.g, self.capacity = gen, capacity
-        b, c = gen.bundle, gen.config
-        self.cfg_rows, self.n = gen.cfg_rows, gen.num_tokens
-        self.t = b.target.config.cls_token_num
-        max_nodes = gen.max_tree_nodes()
-        depth_cap = c.adaptive.d_max if c.method == "adt" else c.tree.depth
-        rows = self.cfg_rows * capacity
-        self.cache = b.target.new_cache(rows, self.t + self.n + max_nodes + 1)
-        self.proposer = None
-        if c.method != "ar":
-            self.proposer = TreeProposer(b.drafter, b.target.head, gen.sampling.cfg_scale, rows,
-                                         self.t + self.n + (depth_cap + 1) * (max_nodes + 1), gen.scorer)
-        self._static: dict[int, dict] = {}  # static trees by depth cap: path -> child ranks
-        self.budget = BatchBudget(gen.cost_table(), c.adaptive) if c.method == "adt" and c.adaptive.budget == "cost" else None
-        self.slots: list[Slot | None] = [None] * capacity
-        self._rows = [torch.tensor([b + i * capacity for i in range(self.cfg_rows)], device=gen.device)
-                      for b in range(capacity)]
+    def __init__(self, setup: DecodeSetup, capacity: int) -> None:
+        self.s, self.capacity = setup, capacity
+        b, c = setup.bundle, setup.config
+        self.n, self.r = setup.n_tokens, setup.cfg_rows
+        self.base = b.target.config.cls_token_num  # sequence position of image index 0
+        self.scale = setup.sampler.sampling.cfg_scale
+        adt = c.method == "adt"
+        self.grid = AdaptiveGrid(capacity, b.grid, c.adaptive) if adt else None
+        self.planner: Planner = planner_for(c, self.n, self.grid, setup.costs, capacity)
+        if capacity in setup.planners:
+            self.planner.adopt(setup.planners[capacity])
+        setup.planners[capacity] = self.planner
+        widest = self._widest_tree()
+        self.cache = b.target.new_cache(self.r * capacity, self.base + self.n + widest + 1)
+        self.drafter = None
+        if self.planner.drafts:
+            fed = max(len(c.tree.static_paths or ()), (c.adaptive.d_max if adt else c.tree.depth) * self._width_cap())
+            self.drafter = BatchDrafter(b.drafter, b.target.head, self.scale, capacity, self.r,
+                                        self.base + self.n + fed + 1, setup.scorer, self.seq_pos)
+        self.static = c.tree.static_paths if c.method == "static" else None
+        self._static_levels: dict[int, StaticLevels] = {}
+        self.slots = Slots.empty(capacity, self.n, setup.device)
+        self.meta: list[tuple[int, str, int] | None] = [None] * capacity
+        self.log = RoundLog(capacity, c.method != "ar", c.lantern is not None, setup.sampler.kind)
+        self.curve_len = c.adaptive.n_max + 1
+        self.verify_slot = {"greedy": self._greedy_one, "coupled": self._coupled_one,
+                            "rejection": self._rejection_one}[setup.sampler.kind]
+
+    def _width_cap(self) -> int:
+        c = self.s.config
+        return c.adaptive.k_max if c.method == "adt" else c.tree.top_k
+
+    def _widest_tree(self) -> int:
+        c = self.s.config
+        if c.method == "ar":
+            return 0
+        if c.method == "static":
+            return len(c.tree.static_paths)
+        return bucket(c.adaptive.n_max) if c.method == "adt" else c.tree.budget
+
+    def seq_pos(self, index: torch.Tensor) -> torch.Tensor:
+        """Sequence position of image index i (LlamaGen: after the caption rows)."""
+        return index + self.base
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """(C, ...) -> (R, ...): each slot's value for its cond then uncond row."""
+        return x if self.r == 1 else torch.cat([x] * self.r)
+
+    def host_rows(self, x: np.ndarray) -> np.ndarray:
+        return np.concatenate([x] * self.r)
 
     # ---- slots --------------------------------------------------------------------------
-    def rows(self, b: int) -> torch.Tensor:
-        """Slot b's cache rows (cfg,): b, then capacity + b with CFG."""
-        return self._rows[b]
-
     def free(self) -> list[int]:
-        return [b for b, s in enumerate(self.slots) if s is None]
+        return np.flatnonzero(~self.slots.active).tolist()
 
     def active(self) -> list[int]:
-        return [b for b, s in enumerate(self.slots) if s is not None]
+        return np.flatnonzero(self.slots.active).tolist()
 
+    @torch.inference_mode()
     def admit(self, items: list[tuple[int, str, int]], captions: torch.Tensor, cmask: torch.Tensor) -> list[Finished]:
         """Prefill `items` (index, prompt, seed) with encoded captions (n, T, C), (n, T) into free
         slots; returns those already finished (one-token images)."""
-        from adt_core.results import StepStats
-
-        g = self.g
-        t0 = g.timer.now()
-        free = self.free()[: len(items)]
+        s, setup, dev = self.slots, self.s, self.s.device
+        t0 = setup.timer.now()
         n = len(items)
-        tmp = g.bundle.target.new_cache(self.cfg_rows * n, self.t)
-        logits, hidden = g.prefill(captions, cmask, tmp)  # (R_n, V), (R_n, T, dim)
-        seeds = torch.tensor([s for _, _, s in items], dtype=torch.long, device=g.device)
-        gens = [torch.Generator(device=g.device).manual_seed(int(s)) for _, _, s in items]
-        first = g.sample(cfg_mix(logits, g.sampling.cfg_scale), gens, seeds, [0] * n).tolist()
-        dst = torch.cat([torch.tensor(free, device=g.device) + i * self.capacity for i in range(self.cfg_rows)])
-        self.cache.load_rows(dst, tmp)
-        share = (g.timer.now() - t0) / n
-        for j, (b, (index, prompt, seed)) in enumerate(zip(free, items)):
-            ctrl = AdaptiveController(g.bundle.grid, g.config.adaptive) if g.config.method == "adt" else None
-            stats = StepStats(lossy=g.config.lantern is not None, sampler=g.sampler, target_forwards=1,
-                              total_ms=share, verify_ms=share, batch_size=self.capacity)
-            self.slots[b] = Slot(index, prompt, int(seed), seeds[j : j + 1], gens[j], [first[j]], ctrl, stats)
-            if self.proposer is not None:
-                self.proposer.reset(b)
-                h = hidden[torch.arange(j, self.cfg_rows * n, n, device=g.device)]  # (cfg, T, dim)
-                if g.bundle.drafter.config.caption_pairs:  # LANTERN: (code 0, h_j) for every caption position
-                    self.proposer.observe(b, h, [0] * (self.t - 1) + [first[j]], 1)
-                else:
-                    self.proposer.observe(b, h[:, -1:], [first[j]], self.t)
-        return self._retire_done()
+        free = np.flatnonzero(~s.active)[:n]
+        free_t = torch.from_numpy(free).to(dev)
+        tmp = setup.bundle.target.new_cache(self.r * n, self.base)
+        logits, hidden = prefill(setup.bundle, captions, cmask, tmp, self.r)  # (R_n, V), (R_n, T, dim)
+        seeds = torch.tensor([seed for _, _, seed in items], dtype=torch.long, device=dev)
+        gens = [torch.Generator(device=dev).manual_seed(seed) if setup.sampler.kind == "rejection" else None
+                for _, _, seed in items]
+        first = setup.sampler.sample(cfg_mix(logits, self.scale), seeds, torch.zeros_like(seeds), gens)  # (n,)
+        self.cache.load_rows(torch.cat([free_t + i * self.capacity for i in range(self.r)]), tmp)
+        s.seeds[free_t], s.count[free_t] = seeds, 0
+        s.active[free], s.host_count[free] = True, 0
+        for j, b in enumerate(free):
+            self.meta[b], s.gens[b] = items[j], gens[j]
+        mask = np.zeros(self.capacity, bool)
+        mask[free] = True
+        if self.grid is not None:
+            self.grid.reset(mask)
+        if self.drafter is not None:
+            self._drafter_admit(free, free_t, hidden, first)
+        one = np.zeros(self.capacity, np.int64)
+        one[free] = 1
+        new = torch.zeros(self.capacity, 1, dtype=torch.long, device=dev)
+        new[free_t, 0] = first
+        s.write(new, torch.from_numpy(one).to(dev), one)
+        self.log.admit(free, (setup.timer.now() - t0) / n)
+        return self._retire()
 
-    def _retire_done(self) -> list[Finished]:
+    def _drafter_admit(self, free: np.ndarray, free_t: torch.Tensor, hidden: torch.Tensor, first: torch.Tensor) -> None:
+        """New images' first pair (h at the last caption position, token 0) into the drafter's
+        ring; LANTERN-style drafters also read the caption pairs now."""
+        mask = np.zeros(self.capacity, bool)
+        mask[free] = True
+        self.drafter.reset(mask)
+        n, dev = len(free), self.s.device
+        h = hidden.view(self.r, n, *hidden.shape[1:])  # (cfg, n, T, dim)
+        if self.s.bundle.drafter.config.caption_pairs:
+            self.drafter.caption_pairs(free, h)
+        last = torch.zeros(self.r * self.capacity, 1, h.shape[-1], device=dev, dtype=h.dtype)
+        tok = torch.zeros(self.capacity, 1, dtype=torch.long, device=dev)
+        rows = torch.cat([free_t + i * self.capacity for i in range(self.r)])
+        last[rows, 0] = h[:, :, -1].reshape(self.r * n, -1)
+        tok[free_t, 0] = first
+        counts = torch.zeros(self.capacity, dtype=torch.long, device=dev)
+        counts[free_t] = 1
+        self.drafter.ring.push(torch.zeros_like(counts), last, tok, counts)
+
+    def _retire(self) -> list[Finished]:
+        s = self.slots
+        done = np.flatnonzero(s.active & (s.host_count >= self.n))
+        if done.size == 0:
+            return []
+        grid = torch.zeros(done.size, self.s.bundle.target.config.num_image_tokens, dtype=torch.long)
+        grid[:, : self.n] = s.tokens[torch.from_numpy(done).to(s.tokens.device), : self.n].cpu()
         out = []
-        for b, s in enumerate(self.slots):
-            if s is not None and len(s.committed) >= self.n:
-                tokens = torch.zeros(self.g.bundle.target.config.num_image_tokens, dtype=torch.long)
-                tokens[: self.n] = torch.tensor(s.committed[: self.n])
-                out.append(Finished(s.index, s.prompt, s.seed, tokens, s.stats))
-                self.slots[b] = None
-                lengths = self.cache.lengths.clone()
-                lengths[self.rows(b)] = 0
-                self.cache.set_lengths(lengths)
-                if self.proposer is not None:
-                    self.proposer.reset(b)
+        for j, b in enumerate(done):
+            index, prompt, seed = self.meta[b]
+            out.append(Finished(index, prompt, seed, grid[j], self.log.finish(b, self.capacity)))
+            self.meta[b], s.gens[b] = None, None
+        mask = np.zeros(self.capacity, bool)
+        mask[done] = True
+        s.active[mask], s.host_count[mask] = False, 0
+        s.count[torch.from_numpy(mask).to(s.count.device)] = 0
+        host = self.cache.host.copy()
+        host[self.host_rows(mask)] = 0
+        self.cache.set_lengths(host)
+        if self.drafter is not None:
+            self.drafter.reset(mask)
         return out
 
     # ---- one round ----------------------------------------------------------------------
-    def _requests(self, active: list[int]) -> dict[int, DraftRequest]:
-        """Step 1: each drafting slot's request (none: a root-only round for that slot)."""
-        g, c = self.g, self.g.config
-        if self.proposer is None:
-            return {}
-        if self.budget is not None and not self.budget.worth_drafting(len(active)):
-            return {}
-        reqs = {}
-        for b in active:
-            s = self.slots[b]
-            index = len(s.committed)
-            max_depth = self.n - index - 1
-            if max_depth <= 0:
-                continue
-            if c.method == "static":
-                depth, width = min(c.tree.depth, max_depth), 0
-            elif s.ctrl is not None:
-                shape = s.ctrl.shape(index)
-                depth, width = min(shape.depth, max_depth), shape.width
-            else:
-                depth, width = min(c.tree.depth, max_depth), c.tree.top_k
-            static = self._static_shape(depth) if c.method == "static" else None
-            noise = g.noise_rows(s.seed_t, index, depth + 1)
-            reqs[b] = DraftRequest(s.committed[-1], self.t + index - 1, depth, width, static,
-                                   None if noise is None else noise[:depth])
-        return reqs
-
-    def _static_shape(self, depth: int) -> dict[tuple[int, ...], list[int]]:
-        """The static tree cut to `depth` levels, built once per depth."""
-        if depth not in self._static:
-            paths = self.g.config.tree.static_paths
-            self._static[depth] = static_children(tuple(p for p in paths if len(p) <= depth))
-        return self._static[depth]
-
-    def _tree(self, b: int, pool, m: int | None) -> tuple[DraftTree, int]:
-        """Step 3: rerank slot b's candidates to its node budget; returns the tree and its width."""
-        c, s = self.g.config, self.slots[b]
-        index = len(s.committed)
-        root, root_pos = s.committed[-1], self.t + index - 1
-        if pool is None or pool.tokens.numel() == 0:
-            return DraftTree.root_only(root, root_pos, self.g.device), 0
-        if m is not None:
-            n = m
-        elif c.method == "static":
-            n = pool.tokens.numel()
-        elif s.ctrl is not None:
-            shape = s.ctrl.shape(index)
-            n = shape_budget(shape.depth, shape.width, c.adaptive)
-        else:
-            n = c.tree.budget
-        if n <= 0:
-            return DraftTree.root_only(root, root_pos, self.g.device), 0
-        width = 0 if c.method == "static" else (s.ctrl.shape(index).width if s.ctrl is not None else c.tree.top_k)
-        return rerank(pool, n, root, root_pos), width
-
+    @torch.inference_mode()
     def step(self) -> list[Finished]:
         """One round over every active slot; returns the images that finished."""
-        g = self.g
-        active = self.active()
-        if not active:
+        if not self.slots.active.any():
             return []
-        a = len(active)
-        ta = g.timer.now()
-        reqs = self._requests(active)
-        pools, m = {}, None
-        if reqs:
-            gate = self.budget.level_gate(a) if self.budget is not None else None
-            pools = self.proposer.propose(reqs, gate)
-            if self.budget is not None:
-                m = self.budget.choose([p.scores for p in pools.values()], g.timer.now() - ta)
-        if not pools:
-            done = self._ar_round(active, ta)
-            if self.budget is not None:
-                self.budget.observe_round(a, False, g.timer.now() - ta, a)
-            return done
-        trees = {b: self._tree(b, pools.get(b), m) for b in active}
-        tb = g.timer.now()
-        res = self._verify_round(active, trees)
-        tc = g.timer.now()
-        if self.budget is not None:
-            self.budget.observe_round(a, True, tc - ta, sum(r.num_accepted + 1 for r in res.values()))
-        width = max(t.size for t, _ in trees.values())
-        for b in active:
-            g.record(self.slots[b].stats, trees[b][0], res[b], len(self.slots[b].committed) - res[b].num_accepted - 1,
-                     trees[b][1], (tb - ta) / a, (tc - tb) / a, slots=a, tokens=a * width,
-                     drafted=b in reqs)
-        return self._retire_done()
+        t0 = self.s.timer.mark()
+        plan = self.planner.plan(self.slots)
+        if plan is None:
+            self._plain_step(t0)
+        else:
+            self._spec_round(plan, t0)
+        return self._retire()
 
-    def _ar_round(self, active: list[int], ta: float) -> list[Finished]:
-        """A plain batched AR step for every active slot (no drafting this round): one target
-        forward of each slot's root, one vectorised draw, each row's length + 1."""
-        g, dev, cap = self.g, self.g.device, self.capacity
-        slots = [self.slots[b] for b in active]
-        idx = torch.tensor(active, device=dev)
-        tok = torch.zeros(cap, 1, dtype=torch.long, device=dev)
-        pos = torch.zeros(cap, 1, dtype=torch.long, device=dev)
-        tok[idx, 0] = torch.tensor([s.committed[-1] for s in slots], device=dev)
-        pos[idx, 0] = torch.tensor([self.t + len(s.committed) - 1 for s in slots], device=dev)
-        rows = lambda x: torch.cat([x] * self.cfg_rows)  # noqa: E731  slots -> cache rows
-        start = self.cache.lengths.clone()
+    def _plain_step(self, t0: float) -> None:
+        """A plain batched AR step: each slot's root through the target, one draw per slot."""
+        s, setup, dev = self.slots, self.s, self.s.device
+        active = s.active.copy()
+        position = s.host_count.copy()
+        pos = self.seq_pos(s.count - 1)[:, None]  # (C, 1)
+        start = self.cache.host.copy()
         one = torch.ones(self.cache.rows, 1, 1, dtype=torch.bool, device=dev)
-        logits, hidden = g.bundle.target(rows(pos), self.cache.attn_mask(one), self.cache, tokens=rows(tok))
-        mixed = cfg_mix(logits[:, 0], g.sampling.cfg_scale)  # (cap, V)
-        seeds = torch.cat([s.seed_t for s in slots])
-        new = g.sample(mixed[idx], [s.gen for s in slots], seeds, [len(s.committed) for s in slots]).tolist()
-        grow = torch.zeros(cap, dtype=torch.long, device=dev)
-        grow[idx] = 1
-        self.cache.set_lengths(start + rows(grow))
-        share = (g.timer.now() - ta) / len(active)
-        last = hidden[:, :1]  # (R, 1, dim): each row's state before its new token
-        for b, s, y in zip(active, slots, new):
-            index = len(s.committed)
-            s.committed.append(int(y))
-            if self.proposer is not None and len(s.committed) < self.n:
-                self.proposer.observe(b, last[self._rows[b]], [int(y)], self.t + index)
-            g.record(s.stats, None, None, index, 0, 0.0, share, slots=len(active), tokens=len(active), drafted=False)
-        return self._retire_done()
+        logits, hidden = setup.bundle.target(self.rows(pos), self.cache.attn_mask(one), self.cache,
+                                             tokens=self.rows(s.roots()[:, None]))
+        new = setup.sampler.sample(cfg_mix(logits[:, 0], self.scale), s.seeds, s.count, s.gens)  # (C,)
+        grow = active.astype(np.int64)
+        self.cache.set_lengths(start + self.host_rows(grow))
+        counts = torch.from_numpy(grow).to(dev)
+        if self.drafter is not None:
+            self.drafter.ring.push_one(s.count, hidden[:, 0], new, counts)
+        s.write(new[:, None], counts, grow)
+        ms = setup.timer.now() - t0
+        self.planner.observe_plain(int(active.sum()), ms)
+        self.log.add(active, position, 0.0, ms)
 
-    def _verify_round(self, active: list[int], trees: dict[int, tuple[DraftTree, int]]) -> dict:
-        """Steps 4-5: one padded target forward over all trees, then verify and commit per slot."""
-        g, dev, cap, r = self.g, self.g.device, self.capacity, self.cfg_rows
-        s_max = max(t.size for t, _ in trees.values())
-        tok = torch.zeros(cap, s_max, dtype=torch.long, device=dev)
-        pos = torch.zeros(cap, s_max, dtype=torch.long, device=dev)
-        mask = torch.eye(s_max, dtype=torch.bool, device=dev).repeat(cap, 1, 1)  # padding: itself only
-        for b, (tree, _) in trees.items():
-            n = tree.size
-            tok[b, :n] = tree.tokens.to(dev)
-            pos[b, :] = tree.root_position
-            pos[b, :n] = tree.positions.to(dev)
-            mask[b, :n, :n] = tree.ancestor_mask().to(dev)
-        rows = lambda x: torch.cat([x] * r)  # noqa: E731  slots -> cache rows
-        start = self.cache.lengths.clone()
-        logits, hidden = g.bundle.target(rows(pos), self.cache.attn_mask(rows(mask)), self.cache, tokens=rows(tok))
-        mixed = cfg_mix(logits, g.sampling.cfg_scale)  # (cap, S, V)
-        res = g.verify_all({b: trees[b][0] for b in active}, mixed, {b: self.slots[b] for b in active})
-        keep = torch.zeros(cap, s_max, dtype=torch.long, device=dev)
-        count = torch.zeros(cap, dtype=torch.long, device=dev)
-        for b in active:
-            path = [0] + res[b].accepted
-            keep[b, : len(path)] = torch.tensor(path, device=dev)
-            count[b] = len(path)
-        self.cache.keep_rows(start, rows(keep), rows(count))
-        for b in active:
-            s, tree, rv = self.slots[b], trees[b][0], res[b]
-            index = len(s.committed)
-            new = tree.tokens[rv.accepted].tolist() + [rv.bonus]
-            s.committed += new
-            if self.proposer is not None and len(s.committed) < self.n:
-                kb = keep[b, : int(count[b])]
-                self.proposer.observe(b, hidden[self.rows(b)][:, kb], new, self.t + index)
-            if s.ctrl is not None:
-                s.ctrl.observe(index, tree.depth, trees[b][1], rv.num_accepted)
-        return res
+    def _spec_round(self, plan: RoundPlan, t0: float) -> None:
+        s, setup, dev = self.slots, self.s, self.s.device
+        active, position = s.active.copy(), s.host_count.copy()
+        noise = setup.sampler.noise(s.seeds, s.count, plan.levels + 1)  # (C, D + 1, V) or None
+        pool = self.drafter.propose(plan, s, noise, self._static(plan.levels))
+        t1 = setup.timer.mark()
+        tree = rerank_batch(pool, plan.nodes, torch.from_numpy(plan.budget).to(dev), s.roots(), plan.levels)
+        start = self.cache.host.copy()
+        pos = self.seq_pos(s.count - 1)[:, None] + tree.depths  # (C, 1 + M)
+        logits, hidden = setup.bundle.target(self.rows(pos), self.cache.attn_mask(self.rows(tree.mask)), self.cache,
+                                             tokens=self.rows(tree.tokens))
+        mixed = cfg_mix(logits, self.scale)  # (C, 1 + M, V)
+        active_t = torch.from_numpy(active).to(dev)
+        ver = self._verify(tree, mixed, noise, plan.levels, active)
+        counts = torch.where(active_t, ver.accepted + 1, 0)
+        out = self._read(ver, tree, pool.scores, pool.valid, active_t, plan.levels)  # the one host read
+        grow = np.where(active, out.accepted + 1, 0)
+        self.cache.keep_rows(start, self.rows(ver.path), self.host_rows(grow))
+        kept = hidden.gather(1, self.rows(ver.path)[..., None].expand(-1, -1, hidden.shape[2]))  # (R, D + 1, dim)
+        self.drafter.ring.push(s.count, kept, ver.new, counts)
+        s.write(ver.new, counts, grow)
+        if self.grid is not None:
+            self.grid.observe(position, np.where(active, out.depth, 0), plan.widths, out.accepted)
+        t2 = setup.timer.now()
+        self.planner.observe(plan, out, int(active.sum()), t2 - t0, t1 - t0)
+        self.log.add(active, position, t1 - t0, t2 - t1, out.depth, plan.widths, out.nodes, out.accepted,
+                     plan.levels, int(active.sum()) * tree.size)
+
+    def _static(self, levels: int) -> StaticLevels | None:
+        if self.static is None:
+            return None
+        if levels not in self._static_levels:
+            self._static_levels[levels] = StaticLevels.build(self.static, levels, self.s.device)
+        return self._static_levels[levels]
+
+    def _read(self, ver: Verified, tree: TreeBatch, scores: torch.Tensor, valid: torch.Tensor,
+              active: torch.Tensor, levels: int) -> RoundOutcome:
+        """Everything the host needs from this round, in one device -> host copy."""
+        c = self.capacity
+        live = tree.valid & (tree.depths > 0) & active[:, None]  # (C, 1 + M) drafted nodes of active slots
+        conf = torch.where(live, tree.scores.double().exp(), 0.0)
+        level_conf = torch.zeros(levels + 1, dtype=torch.float64, device=conf.device)
+        level_conf.scatter_add_(0, tree.depths.flatten(), conf.flatten())
+        m = min(self.curve_len - 1, scores.shape[1])
+        best = torch.topk(torch.where(valid & active[:, None], scores.double(), float("-inf")), m, dim=1).values
+        curve = torch.cat([torch.zeros(1, dtype=torch.float64, device=conf.device), best.exp().cumsum(1).sum(0)])
+        curve = torch.cat([curve, curve[-1:].expand(self.curve_len - curve.numel())])
+        depth = torch.where(tree.valid, tree.depths, 0).max(1).values
+        nodes = live.sum(1)
+        flat = torch.cat([ver.accepted.double(), depth.double(), nodes.double(), level_conf, curve]).cpu().numpy()
+        i = np.cumsum([0, c, c, c, levels + 1])
+        ints = lambda x: x.astype(np.int64)  # noqa: E731
+        return RoundOutcome(ints(flat[i[0]:i[1]]), ints(flat[i[1]:i[2]]), ints(flat[i[2]:i[3]]), flat[i[3]:i[4]],
+                            flat[i[4]:])
+
+    # ---- verification ---------------------------------------------------------------------
+    def _verify(self, tree: TreeBatch, mixed: torch.Tensor, noise: torch.Tensor | None, levels: int,
+                active: np.ndarray) -> Verified:
+        """Whole-batch for greedy and coupled; slot by slot for the rejection sampler and LANTERN."""
+        if self.s.sampler.vectorised and self.s.relax is None:
+            nz = None
+            if noise is not None:  # each node's position row: nodes at one depth share it
+                nz = noise.gather(1, tree.depths[..., None].expand(-1, -1, noise.shape[2]))
+            return follow_batch(tree, self.s.sampler.targets(mixed, nz), levels)
+        c, dev = self.capacity, self.s.device
+        acc = torch.zeros(c, dtype=torch.long, device=dev)
+        path = torch.zeros(c, levels + 1, dtype=torch.long, device=dev)
+        new = torch.zeros(c, levels + 1, dtype=torch.long, device=dev)
+        for b in np.flatnonzero(active):
+            t = tree_of(tree, b)
+            nz = None if noise is None else noise[b][t.depths]
+            res = self.verify_slot(t, mixed[b, : t.size], self.slots.gens[b], nz)
+            a = res.num_accepted
+            acc[b] = a
+            path[b, : a + 1] = torch.tensor([0] + res.accepted, device=dev)
+            new[b, : a + 1] = torch.cat([t.tokens[res.accepted], torch.tensor([res.bonus], device=dev)])
+        return Verified(acc, path, new)
+
+    def _greedy_one(self, tree, mixed, gen, noise):
+        return verify_greedy(tree, mixed, self.s.relax)
+
+    def _coupled_one(self, tree, mixed, gen, noise):
+        return verify_coupled(tree, mixed, noise, self.s.sampler.sampling, self.s.relax)
+
+    def _rejection_one(self, tree, mixed, gen, noise):
+        return verify_stochastic(tree, mixed, self.s.sampler.sampling, gen, self.s.relax)
+
+
+def prefill(bundle: Bundle, captions: torch.Tensor, cmask: torch.Tensor, cache, cfg_rows: int):
+    """Run the caption rows (cond, then uncond with CFG) into `cache`; returns logits (R, V) at
+    the last position and hidden (R, T, dim)."""
+    if cfg_rows == 2:
+        uncond = bundle.target.cls_embedding.uncond_embedding.to(captions.dtype)  # (T, C)
+        captions, cmask = torch.cat([captions, uncond.expand_as(captions)]), torch.cat([cmask, cmask])
+    t, dev = captions.shape[1], captions.device
+    cache.valid[:, :t] = cmask
+    causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+    logits, hidden = bundle.target(torch.arange(t, device=dev), cache.attn_mask(causal), cache, captions=captions)
+    return logits[:, -1], hidden

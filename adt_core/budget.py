@@ -15,20 +15,16 @@ cost(A (1 + m)) whatever the slots' individual trees. The budget, per round:
    easier part of the images) is noticed at a small cost. This uses the clock because the
    drafter's real cost per level (bookkeeping, scoring, tree building) is what decides; shapes
    and outputs stay exact either way.
-2. levels: a level is built while its expected extra tokens (the summed path confidences of
-   the nodes it expands, over all slots) are worth more than its cost at the AR token price.
-3. nodes: m maximises (A + sum over slots of their m best path confidences) /
-   (cost(A (1 + m)) + draft time): with a padded forward, adding nodes in order of confidence
-   from any slot raises the common width one step at a time, so this IS the greedy rule
-   "add while the marginal tokens per marginal second beat the current rate". m = 0 is an AR step.
+2. levels and nodes (`RoundPlanner`, adt_core/planner.py), decided on the host before the round
+   from what the previous drafted rounds showed (their candidates' path confidences, calibrated
+   by the tokens they actually committed) and the measured `CostTable`: nodes m maximise
+   (A + expected accepted tokens) / (cost(A (1 + m)) + draft time) over a few width buckets;
+   a level is kept while its expected tokens are worth its measured cost at the AR token price.
 
-Levels and nodes come from a measured `CostTable` (calibrate.py); outputs never depend on any
-of these decisions (coupled / greedy exactness).
+Outputs never depend on any of these decisions (coupled / greedy exactness).
 """
 
 from __future__ import annotations
-
-import torch
 
 from adt_core.calibrate import CostTable
 from adt_core.config import AdaptiveConfig
@@ -44,7 +40,6 @@ class BatchBudget:
         self.rate: dict[tuple[int, bool], float] = {}  # (slots, drafted) -> running mean tokens per ms
         self.since_probe = 0
         self.probe_every = PROBE_EVERY  # doubles while probes confirm the winner, up to PROBE_MAX
-        self._verify: dict[int, torch.Tensor] = {}
 
     def token_ms(self, a: int) -> float:
         """Modelled milliseconds per committed token of a plain AR step with `a` slots."""
@@ -89,32 +84,3 @@ class BatchBudget:
             self.probe_every = min(grow * self.probe_every, PROBE_MAX) if same else PROBE_EVERY
         else:
             self.since_probe += 1
-
-    def level_gate(self, a: int):
-        """gate(level, {slot: confidence of its frontier}, frontier tokens) -> build the level?"""
-        price = self.token_ms(a)
-
-        def gate(level: int, conf: dict[int, float], tokens: int) -> bool:
-            return sum(conf.values()) * price >= self.costs.draft_cost(tokens)
-
-        return gate
-
-    def choose(self, scores: list[torch.Tensor], draft_ms: float) -> int:
-        """scores: per slot (M_b,) candidate path scores (log confidences) -> nodes per slot m."""
-        a = len(scores)
-        hi = self.cfg.n_max
-        cum = torch.zeros(hi + 1, dtype=torch.float64)
-        for s in scores:
-            conf = s.double().exp().sort(descending=True).values.cpu()[:hi]
-            c = torch.cat([torch.zeros(1, dtype=torch.float64), conf.cumsum(0)])
-            cum += torch.cat([c, c[-1:].expand(hi + 1 - c.numel())])
-        rate = (a + cum) / (self._verify_ms(a) + draft_ms)  # (hi + 1,) tokens per ms for m = 0 .. hi
-        return int(rate.argmax())
-
-    def _verify_ms(self, a: int) -> torch.Tensor:
-        """(n_max + 1,) modelled target forward ms with m = 0 .. n_max nodes per slot, `a` slots."""
-        if a not in self._verify:
-            ms = [self.costs.cost(a * (1 + m)) for m in range(self.cfg.n_max + 1)]
-            self._verify[a] = torch.tensor(ms, dtype=torch.float64)
-        return self._verify[a]
-

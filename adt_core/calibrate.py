@@ -30,8 +30,14 @@ class Timer:
         self.cuda = device.type == "cuda"
 
     def now(self) -> float:
+        """Milliseconds once queued device work is done (waits for a GPU: one host sync)."""
         if self.cuda:
             torch.cuda.synchronize()
+        return time.perf_counter() * 1000.0
+
+    def mark(self) -> float:
+        """Milliseconds now, without waiting for the device (exact on a CPU; on a GPU the time
+        work was queued by, so a round's split between drafting and verifying is approximate)."""
         return time.perf_counter() * 1000.0
 
 

@@ -1,18 +1,19 @@
-"""The drafter side of speculative decoding, for many images (slots) at once.
+"""The drafter side of speculative decoding: whole-batch tensor work over every slot.
 
-`TreeProposer` drives an EAGLE-style `Drafter` with its own ragged KV cache: slot b owns rows
-b (and slots + b with CFG) holding that image's committed (hidden, token) pairs. `observe`
-queues the pairs of newly committed tokens per slot (pairs queue up over rounds that did not
-draft: the drafter then catches up in one forward, on at most the last 2 x CATCHUP_PAIRS of
-them); `propose` feeds every queued pair in ONE padded forward, expands all requested trees
-level by level with ONE drafter forward per level over every slot's frontier (per-row
-positions and tree masks), then forgets the tree nodes (each row keeps only committed pairs). It returns each slot's candidate pool; the caller picks
-how many nodes to keep (`tree.rerank`).
+An EAGLE-style `Drafter` reads pairs (token at position p, target hidden state at p - 1) and
+keeps its own ragged KV cache (slot b: rows b and C + b with CFG). `PairRing` holds the last
+`RING` committed pairs of every slot; plain AR steps and verified rounds push into it (one
+indexed store each). A speculative round then runs (`BatchDrafter.propose`):
 
-Expansion shapes (per slot):
-- dynamic (EAGLE-2 / ADT-Tree): level 1 = top-k children of the root; each next level expands
-  the k best candidates of the previous level by path score into k children each.
-- static: a fixed tree given as {path of child ranks: child ranks}.
+1. catch-up (level 1): ONE drafter forward over every slot's pairs not yet fed (at most RING:
+   after a long run of plain steps the older pairs stay out, so a skip costs one short feed);
+   its output at each slot's last pair (the root) scores the root's children;
+2. levels 2 .. D: ONE drafter forward per level over every slot's frontier (K nodes, the best
+   of the last level by path score; a static tree's fixed nodes), under tree masks;
+3. the tree nodes leave the drafter's cache; the candidates go to reranking (tree.rerank_batch).
+
+Shapes are fixed by the round's plan (levels D, width K): a slot that may use fewer levels or
+children than the batch has its extra candidates marked invalid, never a per-slot branch.
 """
 
 from __future__ import annotations
@@ -20,19 +21,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from adt_core.config import SamplingConfig
 from adt_core.kv_cache import KVCache
 from adt_core.models.drafter import Drafter
+from adt_core.round_state import CandidateBatch, RoundPlan, Slots
 from adt_core.sampling import cfg_mix, warp
-from adt_core.tree import CandidatePool, top_frontier
+from adt_core.tree import static_children
 
 SCORE_FLOOR = -1e4  # log-score floor: a child of a removed (-inf) token still scores below its parent
-# after many rounds without drafting a slot's queue keeps its last CATCHUP_PAIRS pairs (once it
-# passes twice that): older skipped pairs stay out of the drafter's cache, so its proposals lose
-# that far context and a long skip costs one short feed; outputs are exact regardless
-CATCHUP_PAIRS = 8
+RING = 16  # committed pairs kept per slot for the drafter's catch-up
 
 
 @dataclass(frozen=True)
@@ -61,295 +61,241 @@ class DraftScorer:
         return pert, score
 
 
-@dataclass
-class DraftRequest:
-    """One slot's tree this round. The root is the slot's last committed token."""
+class PairRing:
+    """The last RING (hidden, token) pairs of every slot; pair i sits in column i % RING
+    (column RING is a write sink for padding). `fed[b]`: pairs 0 .. fed[b] - 1 of slot b are in
+    the drafter's cache or were skipped for good."""
 
-    root_token: int
-    root_position: int  # sequence position of the root
-    depth: int  # draft levels at most (>= 1)
-    width: int = 1  # dynamic trees: top-k per expansion and frontier size
-    static: dict[tuple[int, ...], list[int]] | None = None  # static trees: node path -> child ranks
-    noise: torch.Tensor | None = None  # (depth, V) coupled Gumbel rows of the drafted positions
-    min_confidence: float = 0.0  # stop this slot once its expanded paths' confidences sum below this
+    def __init__(self, slots: int, cfg_rows: int, dim: int, device, dtype) -> None:
+        self.slots, self.cfg_rows = slots, cfg_rows
+        self.h = torch.zeros(slots * cfg_rows, RING + 1, dim, device=device, dtype=dtype)  # (R, RING + 1, dim)
+        self.t = torch.zeros(slots, RING + 1, dtype=torch.long, device=device)  # (C, RING + 1)
+        self.fed = np.zeros(slots, np.int64)
+        self._slot_idx = torch.arange(slots, device=device)
+        self._row_idx = torch.arange(slots * cfg_rows, device=device)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """(C, ...) -> (R, ...): the slot's value for each of its cfg rows."""
+        return x if self.cfg_rows == 1 else torch.cat([x] * self.cfg_rows)
+
+    def push(self, first: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor) -> None:
+        """Pairs first[b] + j (j < counts[b]): hidden (R, P, dim) before each token, tokens (C, P)."""
+        j = torch.arange(tokens.shape[1], device=tokens.device)
+        col = torch.where(j < counts[:, None], (first[:, None] + j) % RING, RING)  # (C, P)
+        self.t.scatter_(1, col, tokens)
+        rcol = self.rows(col)  # (R, P)
+        self.h[torch.arange(self.h.shape[0], device=col.device)[:, None], rcol] = hidden.to(self.h.dtype)
+
+    def push_one(self, index: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor) -> None:
+        """One pair per slot (a plain step): pair index[b] = (hidden (R, dim), tokens[b]) where counts[b] > 0."""
+        col = torch.where(counts > 0, index % RING, RING)  # (C,)
+        self.t[self._slot_idx, col] = tokens
+        self.h[self._row_idx, self.rows(col)] = hidden.to(self.h.dtype)
+
+    def window(self, count: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Pairs to feed: first index (C,) and how many (C,) (0 for free slots)."""
+        lo = np.maximum(self.fed, count - RING)
+        return lo, np.where(active, count - lo, 0)
+
+    def gather(self, lo: torch.Tensor, n: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pairs lo[b] .. lo[b] + n[b] - 1, left-aligned and padded to `width`: hidden (R, width,
+        dim), tokens (C, width)."""
+        j = torch.arange(width, device=lo.device)
+        col = torch.where(j < n[:, None], (lo[:, None] + j) % RING, RING)  # (C, width)
+        rcol = self.rows(col)
+        hid = self.h.gather(1, rcol[..., None].expand(-1, -1, self.h.shape[2]))
+        return hid, self.t.gather(1, col)
 
 
-@dataclass
-class _Pending:
-    tokens: list[int]
-    hidden: list[torch.Tensor]  # pieces (cfg rows, P_i, dim): target states before each token
-    first_position: int
+@dataclass(frozen=True)
+class StaticLevels:
+    """A static tree as fixed index tensors per level: level 1 takes ranks `ranks[0]` at the root;
+    level d >= 2 expands entries `front[d-2]` of level d - 1's candidates into ranks `ranks[d-1]`."""
 
-    def recent(self, n: int) -> "_Pending":
-        """The last n pairs (all when fewer)."""
-        drop = max(0, len(self.tokens) - n)
-        if drop == 0:
-            return self
-        return _Pending(self.tokens[drop:], [torch.cat(self.hidden, 1)[:, drop:]], self.first_position + drop)
+    front: tuple[torch.Tensor, ...]  # per level >= 2: (F_d,) long, indices into the previous level's block
+    ranks: tuple[torch.Tensor, ...]  # per level: (F_d, Kc_d) bool, child ranks kept below each frontier node
+
+    @classmethod
+    def build(cls, paths: tuple[tuple[int, ...], ...], depth: int, device) -> "StaticLevels":
+        kids = static_children(tuple(p for p in paths if len(p) <= depth))
+        fronts, ranks, level = [], [], [()]  # level: the rank paths of the current block's entries
+        for d in range(1, depth + 1):
+            parents = [i for i, p in enumerate(level) if p in kids] if d > 1 else [0]
+            if not parents:
+                break
+            paths_of = [level[i] for i in parents] if d > 1 else [()]
+            kc = max(max(kids[p]) for p in paths_of) + 1
+            mask = torch.zeros(len(paths_of), kc, dtype=torch.bool)
+            for f, p in enumerate(paths_of):
+                mask[f, kids[p]] = True
+            if d > 1:
+                fronts.append(torch.tensor(parents, dtype=torch.long, device=device))
+            ranks.append(mask.to(device))
+            level = [p + (r,) for p in paths_of for r in range(kc)]
+        return cls(tuple(fronts), tuple(ranks))
+
+    @property
+    def levels(self) -> int:
+        return len(self.ranks)
 
 
-class TreeProposer:
-    def __init__(self, drafter: Drafter, head, cfg_scale: float, rows: int, max_len: int,
-                 scorer: DraftScorer = DraftScorer()) -> None:
+class BatchDrafter:
+    def __init__(self, drafter: Drafter, head: Callable, cfg_scale: float, slots: int, cfg_rows: int,
+                 max_len: int, scorer: DraftScorer, seq_pos: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.drafter, self.head, self.cfg_scale, self.scorer = drafter, head, cfg_scale, scorer
-        self.cache: KVCache = drafter.new_cache(rows, max_len)
-        self.rows = rows
-        self.cfg_rows = 2 if cfg_scale != 1.0 else 1
-        self.slots = rows // self.cfg_rows
-        self._pending: dict[int, _Pending] = {}
+        self.slots, self.cfg_rows, self.seq_pos = slots, cfg_rows, seq_pos
+        self.cache: KVCache = drafter.new_cache(slots * cfg_rows, max_len)
+        w = drafter.fc.weight
+        self.ring = PairRing(slots, cfg_rows, drafter.config.dim, w.device, w.dtype)
+        self.max_pos = len(drafter.rope) - 1
         self.forwards = 0  # drafter forward passes so far
 
-    def _rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """Slot indices (n,) -> their cache rows (cfg * n,), cond rows first."""
-        return torch.cat([slots + c * self.slots for c in range(self.cfg_rows)])
+    @property
+    def device(self) -> torch.device:
+        return self.cache.k.device
 
-    # ---- committed sequence -------------------------------------------------------------
-    def reset(self, slot: int) -> None:
-        """A new image in `slot`: its rows start empty."""
-        self._pending.pop(slot, None)
-        lengths = self.cache.lengths.clone()
-        lengths[self._rows(torch.tensor([slot], device=lengths.device))] = 0
-        self.cache.set_lengths(lengths)
+    def _host(self, x: np.ndarray) -> np.ndarray:
+        """(C,) -> (R,) host values per cache row."""
+        return np.concatenate([x] * self.cfg_rows)
 
-    def observe(self, slot: int, hidden: torch.Tensor, tokens: list[int], first_position: int) -> None:
-        """Queue pairs (hidden[:, i], tokens[i]) at positions first_position + i for `slot`.
+    def _pos(self, index: torch.Tensor) -> torch.Tensor:
+        return self.seq_pos(index).clamp(max=self.max_pos)
 
-        hidden: (cfg rows, P, dim) target states at the positions BEFORE each token."""
-        old = self._pending.get(slot)
-        if old is None:
-            self._pending[slot] = _Pending(list(tokens), [hidden], first_position)
-        else:  # a round without drafting: the pairs wait for the next feed
-            if old.first_position + len(old.tokens) != first_position:
-                raise RuntimeError("observe() pairs must follow the queued ones")
-            old.tokens += tokens
-            old.hidden.append(hidden)
-            if len(old.tokens) > 2 * CATCHUP_PAIRS:  # amortised: keep the recent pairs only
-                self._pending[slot] = old.recent(CATCHUP_PAIRS)
+    # ---- slots --------------------------------------------------------------------------
+    def reset(self, slots: np.ndarray) -> None:
+        """Slots (bool (C,)) start empty: no cached pairs, nothing fed."""
+        self.ring.fed[slots] = 0
+        host = self.cache.host.copy()
+        host[self._host(slots)] = 0
+        self.cache.set_lengths(host)
 
-    def _feed(self, slots: list[int]) -> torch.Tensor:
-        """Run the queued pairs of `slots` in one padded forward; returns (R, dim): each row's
-        last feature (rows of slots without pairs: zeros)."""
-        dev = self.cache.k.device
-        dim = self.drafter.config.dim
-        out = torch.zeros(self.rows, dim, device=dev, dtype=self.cache.k.dtype)
-        todo = [s for s in slots if s in self._pending]
-        if not todo:
-            return out
-        p_max = max(len(self._pending[s].tokens) for s in todo)
-        tok = torch.zeros(self.rows, p_max, dtype=torch.long, device=dev)
-        hid = torch.zeros(self.rows, p_max, dim, device=dev, dtype=self.cache.k.dtype)
-        pos = torch.zeros(self.rows, p_max, dtype=torch.long, device=dev)
-        count = torch.zeros(self.rows, dtype=torch.long, device=dev)
-        for s in todo:
-            pend = self._pending.pop(s)
-            p = len(pend.tokens)
-            rows = self._rows(torch.tensor([s], device=dev))
-            tok[rows, :p] = torch.tensor(pend.tokens, device=dev)
-            hid[rows, :p] = torch.cat(pend.hidden, 1).to(dev, hid.dtype)
-            pos[rows] = (pend.first_position + torch.arange(p_max, device=dev)).clamp(max=len(self.drafter.rope) - 1)
-            count[rows] = p
-        before = self.cache.lengths.clone()
-        causal = torch.ones(p_max, p_max, dtype=torch.bool, device=dev).tril()
-        feats = self.drafter(tok, hid, pos, self.cache.attn_mask(causal), self.cache)  # (R, P, dim)
+    def caption_pairs(self, slots: np.ndarray, hidden: torch.Tensor) -> None:
+        """LANTERN-style drafters read (code 0, h_j) at position j + 1 for every caption position
+        j but the last, before the first image pair. slots: (n,) slot indices; hidden (cfg, n, T, dim)."""
+        r, n, t = hidden.shape[0], hidden.shape[1], hidden.shape[2]
+        dev = self.device
+        tmp = self.drafter.new_cache(r * n, t)
+        causal = torch.ones(t - 1, t - 1, dtype=torch.bool, device=dev).tril()
+        tok = torch.zeros(r * n, t - 1, dtype=torch.long, device=dev)
+        self.drafter(tok, hidden[:, :, : t - 1].reshape(r * n, t - 1, -1), torch.arange(1, t, device=dev),
+                     tmp.attn_mask(causal), tmp)
         self.forwards += 1
-        self.cache.set_lengths(before + count)
-        last = (count - 1).clamp(min=0)
-        out = feats[torch.arange(self.rows, device=dev), last]
-        return torch.where((count > 0)[:, None], out, torch.zeros_like(out))
+        rows = torch.cat([torch.as_tensor(slots, device=dev) + c * self.slots for c in range(r)])
+        self.cache.load_rows(rows, tmp)
 
     # ---- drafting -----------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, requests: dict[int, DraftRequest],
-                level_gate: Callable[[int, dict[int, float], int], bool] | None = None) -> dict[int, CandidatePool]:
-        """Draft every requested slot's candidates; returns {slot: candidate pool}.
-
-        level_gate(level, {slot: summed path confidence of the nodes it would expand}, frontier
-        tokens in total) -> whether to build that level at all (the batch cost budget)."""
-        dev = self.cache.k.device
-        slots = sorted(requests)
-        root_feat = self._feed(slots)  # (R, dim)
-        start = self.cache.lengths.clone()
-        self._ragged_start = self.cache._uniform is None
-        exp = {s: _Expansion(requests[s], dev) for s in slots}
-        sel, score = self._score(root_feat[:, None], {s: 0 for s in slots}, requests)  # (B, 1, V) each
-        for s in slots:
-            exp[s].first_level(sel[s], score[s], root_feat[self._rows(torch.tensor([s], device=dev))])
-        depth = max(r.depth for r in requests.values())
-        for d in range(2, depth + 1):
-            fronts = {s: e.frontier(d) for s, e in exp.items()}
-            fronts = {s: f for s, f in fronts.items() if f is not None and f.numel()}
-            if not fronts:
-                break
-            if level_gate is not None:
-                conf = {s: float(exp[s].pool.scores[f].exp().sum()) for s, f in fronts.items()}
-                if not level_gate(d, conf, sum(f.numel() for f in fronts.values())):
-                    break
-            feats = self._run_level(exp, fronts, d, start)  # (R, F_max, dim)
-            sel, score = self._score(feats, {s: d - 1 for s in fronts}, requests)
-            for s, f in fronts.items():
-                n = f.numel()
-                exp[s].add_level(sel[s, :n], score[s, :n], feats[self._rows(torch.tensor([s], device=dev)), :n], d)
+    def propose(self, plan: RoundPlan, slots: Slots, noise: torch.Tensor | None,
+                static: StaticLevels | None = None) -> CandidateBatch:
+        """Every slot's candidates for this round. noise: (C, D + 1, V) coupled rows of image
+        indices n .. n + D, or None."""
+        dev = self.device
+        depth = torch.from_numpy(plan.depth).to(dev)  # (C,)
+        widths = torch.from_numpy(plan.widths).to(dev)  # (C,)
+        root_feat = self._catch_up(slots)  # (R, dim)
+        # tree nodes go to one offset in every row (the longest committed row): plain slice writes;
+        # a row's keys between its own length and that offset are masked
+        start = self.cache.host.copy()
+        top = int(start.max())
+        committed = (torch.arange(top, device=dev) < torch.from_numpy(start).to(dev)[:, None])[:, None, None]
+        self.cache.set_lengths(np.full_like(start, top))
+        pos = self.ring.rows(self.seq_pos(slots.count))[:, None]  # (R, 1): position of the root's children
+        fmask = torch.arange(plan.width, device=dev) < widths[:, None]  # (C, K): a slot expands its own k best
+        row = lambda lv: None if noise is None else noise[:, lv : lv + 1]  # noqa: E731  (C, 1, V)
+        sel, score = self._score(root_feat[:, None], row(0))  # (C, 1, V)
+        ranks = static.ranks[0] if static is not None else None
+        block = _children(sel, score, torch.zeros(sel.shape[0], 1, device=dev), torch.full_like(depth[:, None], -1),
+                          depth[:, None] >= 1, plan.width, widths, ranks, 1)
+        pool = [block]
+        feats, anc, kc = root_feat[:, None], None, block.tokens.shape[1]  # fed parents' features (R, F, dim)
+        levels = plan.levels if static is None else min(plan.levels, static.levels)
+        for d in range(2, levels + 1):
+            fi = self._frontier(block, plan.width, static, d)  # (C, F) indices into the block
+            fvalid = block.valid.gather(1, fi) if static is not None else block.valid.gather(1, fi) & fmask[:, : fi.shape[1]]
+            parent_slot = fi // kc  # (C, F): which fed node of the last level each hangs under
+            pf = feats.gather(1, self.ring.rows(parent_slot)[..., None].expand(-1, -1, feats.shape[2]))
+            anc = _fed_ancestors(anc, parent_slot)  # (C, F, fed so far)
+            f = fi.shape[1]
+            mask = torch.cat([committed.expand(-1, -1, f, -1), self.ring.rows(anc)[:, None]], -1)  # (R, 1, F, keys)
+            lv_pos = (pos + (d - 2)).clamp(max=self.max_pos)
+            feats = self.drafter(self.ring.rows(block.tokens.gather(1, fi)), pf, lv_pos, mask, self.cache)
+            self.forwards += 1
+            sel, score = self._score(feats, row(d - 1))  # (C, F, V)
+            offset = sum(b.tokens.shape[1] for b in pool[:-1])
+            ranks = static.ranks[d - 1] if static is not None else None
+            block = _children(sel, score, block.scores.gather(1, fi), offset + fi, fvalid, plan.width, widths,
+                              ranks, d)
+            kc = block.tokens.shape[1] // f
+            pool.append(block)
         self.cache.truncate(start)
-        return {s: e.pool.candidates() for s, e in exp.items()}
+        out = CandidateBatch(*(torch.cat([getattr(b, f) for b in pool], 1)
+                               for f in ("tokens", "parents", "depths", "scores", "valid")))
+        out.valid &= out.depths <= depth[:, None]  # a slot's levels past its own depth
+        return out
 
-    def _score(self, features: torch.Tensor, level_of: dict[int, int], requests: dict[int, DraftRequest]):
-        """features (R, F, dim) -> (select key, score), each (slots, F, V); noise row per slot."""
-        mixed = cfg_mix(self.head(features), self.cfg_scale)  # (slots, F, V)
-        noise = None
-        if self.scorer.coupled is not None:
-            noise = torch.zeros(self.slots, 1, mixed.shape[-1], device=mixed.device)
-            for s, lv in level_of.items():
-                nz = requests[s].noise
-                if nz is not None:
-                    noise[s, 0] = nz[lv]
+    def _catch_up(self, slots: Slots) -> torch.Tensor:
+        """Feed every active slot's unfed pairs in one forward; (R, dim) features at each root."""
+        dev = self.device
+        lo, n = self.ring.window(slots.host_count, slots.active)
+        width = max(int(n.max()), 1)
+        lo_t, n_t = torch.from_numpy(lo).to(dev), torch.from_numpy(n).to(dev)
+        hid, tok = self.ring.gather(lo_t, n_t, width)  # (R, P, dim), (C, P)
+        pos = self._pos(lo_t[:, None] + torch.arange(width, device=dev))  # (C, P)
+        before = self.cache.host.copy()
+        causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
+        feats = self.drafter(self.ring.rows(tok), hid, self.ring.rows(pos), self.cache.attn_mask(causal), self.cache)
+        self.forwards += 1
+        self.cache.set_lengths(before + self._host(n))
+        self.ring.fed = np.where(slots.active, slots.host_count, self.ring.fed)
+        last = self.ring.rows((n_t - 1).clamp(min=0))  # (R,)
+        return feats[torch.arange(feats.shape[0], device=dev), last]
+
+    def _score(self, features: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """features (R, F, dim) -> (select key, score), each (C, F, V)."""
+        mixed = cfg_mix(self.head(features), self.cfg_scale)
         return self.scorer(mixed, noise)
 
-    def _run_level(self, exp: dict[int, "_Expansion"], fronts: dict[int, torch.Tensor], d: int,
-                   start: torch.Tensor) -> torch.Tensor:
-        """One drafter forward over every slot's frontier (padded to the widest)."""
-        dev = self.cache.k.device
-        f_max = max(f.numel() for f in fronts.values())
-        w = max(exp[s].processed.size for s in fronts) + f_max
-        tok = torch.zeros(self.slots, f_max, dtype=torch.long, device=dev)
-        pos = torch.zeros(self.slots, f_max, dtype=torch.long, device=dev)
-        par = torch.zeros(self.rows, f_max, self.drafter.config.dim, device=dev, dtype=self.cache.k.dtype)
-        mask = torch.zeros(self.slots, f_max, w, dtype=torch.bool, device=dev)
-        count = torch.zeros(self.rows, dtype=torch.long, device=dev)
-        for s, f in fronts.items():
-            e, n = exp[s], f.numel()
-            rows = self._rows(torch.tensor([s], device=dev))
-            tok[s, :n] = e.pool.tokens[f]
-            pos[s] = e.req.root_position + d - 1
-            par[rows, :n] = e.parent_feat_of(f)
-            m = e.processed.add(e.slot_of(f))  # (n, size + n)
-            mask[s, :n, : m.shape[1]] = m
-            count[rows] = n
-        before = self.cache.lengths.clone()
-        cat = lambda x: torch.cat([x] * self.cfg_rows)  # noqa: E731  slots -> rows
-        since = start if self._ragged_start else int(start[0])  # rows of one length: the cheap mask
-        feats = self.drafter(cat(tok), par, cat(pos), self.cache.attn_mask(cat(mask), since=since), self.cache)
-        self.forwards += 1
-        self.cache.set_lengths(before + count)
-        return feats
+    @staticmethod
+    def _frontier(block: CandidateBatch, width: int, static: StaticLevels | None, d: int) -> torch.Tensor:
+        """(C, F) block indices of the nodes expanded into level d: the K best by path score
+        (invalid candidates last), or the static tree's fixed nodes."""
+        if static is not None:
+            return static.front[d - 2][None].expand(block.tokens.shape[0], -1)
+        key = torch.where(block.valid, block.scores, float("-inf"))
+        return torch.topk(key, min(width, key.shape[1]), dim=1).indices
 
 
-class _Expansion:
-    """One slot's tree under construction: its candidate pool and which nodes were fed."""
+def _children(sel: torch.Tensor, score: torch.Tensor, parent_score: torch.Tensor, parent: torch.Tensor,
+              parent_valid: torch.Tensor, width: int, widths: torch.Tensor, ranks: torch.Tensor | None,
+              d: int) -> CandidateBatch:
+    """One level's candidates: the top children of each of F expanded nodes.
 
-    def __init__(self, req: DraftRequest, device: torch.device) -> None:
-        self.req = req
-        self.pool = _Pool(device)
-        self.processed = _ProcessedMask(device)
-        self.level = torch.zeros(0, dtype=torch.long, device=device)  # (L,) pool indices of the last level
-        self.front = self.level  # (F,) the nodes being fed for the next level
-        self.feat: dict[int, torch.Tensor] = {}  # pool index -> (cfg, dim) feature of its parent
-        self.fed_slot: dict[int, int] = {}  # pool index -> its slot in `processed`
-
-    def _ranks(self, path: tuple[int, ...]) -> list[int]:
-        if self.req.static is not None:
-            return self.req.static.get(path, [])
-        return list(range(self.req.width))
-
-    def first_level(self, select: torch.Tensor, score: torch.Tensor, root_feat: torch.Tensor) -> None:
-        """select/score (1, V) at the root; root_feat (cfg, dim) the slot's last committed feature."""
-        self.level = self.pool.add_children(select, score, [-1], [()], self._ranks, depth=1)
-        for c in self.level.tolist():
-            self.feat[c] = root_feat
-
-    def frontier(self, d: int) -> torch.Tensor | None:
-        """Pool indices of the nodes to expand into level d (None: this slot is done)."""
-        if d > self.req.depth or self.level.numel() == 0:
-            return None
-        scores = self.pool.scores[self.level]
-        if self.req.static is not None:
-            paths = [self.pool.paths[i] for i in self.level.tolist()]
-            chosen = torch.tensor([i for i, p in enumerate(paths) if p in self.req.static], dtype=torch.long)
-        else:
-            chosen = top_frontier(scores, self.req.width).cpu()
-        if chosen.numel() == 0:
-            return None
-        chosen = chosen.to(scores.device)
-        # a new level adds at most P(the accepted path reaches it) = sum of the expanded paths' confidences
-        if self.req.min_confidence > 0 and float(scores[chosen].exp().sum()) < self.req.min_confidence:
-            return None
-        self.front = self.level[chosen]
-        return self.front
-
-    def parent_feat_of(self, front: torch.Tensor) -> torch.Tensor:
-        """(cfg, F, dim) features the frontier nodes are fed with (their parents' features)."""
-        return torch.stack([self.feat[i] for i in front.tolist()], 1)
-
-    def slot_of(self, front: torch.Tensor) -> torch.Tensor:
-        """(F,) processed-mask slots of the frontier nodes' parents (-1 = the root)."""
-        return torch.tensor([self.fed_slot.get(p, -1) for p in self.pool.parents[front].tolist()], dtype=torch.long)
-
-    def add_level(self, select: torch.Tensor, score: torch.Tensor, feats: torch.Tensor, d: int) -> None:
-        """select/score (F, V) at the F fed frontier nodes; feats (cfg, F, dim) their features."""
-        front = self.front.tolist()
-        base = self.processed.size - len(front)
-        where = {i: j for j, i in enumerate(front)}
-        for i, j in where.items():
-            self.fed_slot[i] = base + j
-        self.level = self.pool.add_children(select, score, front, [self.pool.paths[i] for i in front],
-                                            self._ranks, depth=d)
-        for c, p in zip(self.level.tolist(), self.pool.parents[self.level].tolist()):
-            self.feat[c] = feats[:, where[p]]
+    sel/score (C, F, V) select key and score at the F nodes; parent_score (C, F) their path
+    scores; parent (C, F) their pool indices (-1: the root); parent_valid (C, F). Dynamic trees
+    keep ranks < widths[b]; a static level keeps `ranks` (F, Kc). Returns F * Kc candidates."""
+    kc = ranks.shape[1] if ranks is not None else width
+    kc = min(kc, sel.shape[-1])
+    top = torch.topk(sel, kc, dim=-1)  # (C, F, Kc)
+    r = torch.arange(kc, device=sel.device)
+    keep = ranks[:, :kc][None] if ranks is not None else (r < widths[:, None, None])  # (C|1, F|1, Kc)
+    valid = parent_valid[..., None] & keep
+    c, f = parent.shape
+    return CandidateBatch(
+        tokens=top.indices.reshape(c, f * kc),
+        parents=parent[..., None].expand(c, f, kc).reshape(c, f * kc),
+        depths=torch.full((c, f * kc), d, dtype=torch.long, device=sel.device),
+        scores=(parent_score[..., None] + score.gather(-1, top.indices)).reshape(c, f * kc),
+        valid=valid.expand(c, f, kc).reshape(c, f * kc),
+    )
 
 
-class _Pool:
-    """Growing candidate pool (see tree.CandidatePool) plus each candidate's rank path."""
-
-    def __init__(self, device) -> None:
-        self.device = device
-        e = torch.zeros(0, dtype=torch.long, device=device)
-        self.tokens, self.parents, self.depths, self.scores = e, e, e, torch.zeros(0, device=device)
-        self.paths: list[tuple[int, ...]] = []
-
-    def add_children(self, select, score, parents: list[int], parent_paths, ranks_of, depth: int) -> torch.Tensor:
-        """select/score (F, V) at F expanded nodes -> append their children (top ranks of the
-        select key, scored by the score); returns the new pool indices."""
-        v = select.shape[-1]
-        ranks = [[r for r in ranks_of(p) if r < v] for p in parent_paths]  # a node has at most V children
-        kmax = max((max(r) + 1 for r in ranks if r), default=0)
-        if kmax == 0:
-            return torch.zeros(0, dtype=torch.long, device=self.device)
-        top = torch.topk(select, kmax, dim=-1)  # (F, kmax)
-        values = score.gather(-1, top.indices)  # (F, kmax)
-        src = [f for f, rs in enumerate(ranks) for _ in rs]
-        rank = [r for rs in ranks for r in rs]
-        sf = torch.tensor(src, dtype=torch.long, device=self.device)
-        sr = torch.tensor(rank, dtype=torch.long, device=self.device)
-        par = torch.tensor(parents, dtype=torch.long, device=self.device)[sf]
-        parent_score = torch.where(par >= 0, self.scores[par.clamp(min=0)] if self.scores.numel() else 0.0, 0.0)
-        base = self.tokens.numel()
-        self.tokens = torch.cat([self.tokens, top.indices[sf, sr]])
-        self.parents = torch.cat([self.parents, par])
-        self.depths = torch.cat([self.depths, torch.full_like(par, depth)])
-        self.scores = torch.cat([self.scores, parent_score + values[sf, sr].float()])
-        self.paths += [parent_paths[f] + (r,) for f, r in zip(src, rank)]
-        return torch.arange(base, base + len(src), device=self.device)
-
-    def candidates(self) -> CandidatePool:
-        return CandidatePool(self.tokens, self.parents, self.depths, self.scores)
-
-
-class _ProcessedMask:
-    """Ancestor mask among tree nodes fed to the drafter (their slots follow the prefix)."""
-
-    def __init__(self, device) -> None:
-        self.mask = torch.zeros(0, 0, dtype=torch.bool, device=device)
-
-    @property
-    def size(self) -> int:
-        return self.mask.shape[0]
-
-    def add(self, parent_slots: torch.Tensor) -> torch.Tensor:
-        """parent_slots (F,) (-1 = root) -> mask rows (F, n + F) for the new nodes."""
-        n, f = self.mask.shape[0], parent_slots.numel()
-        rows = torch.zeros(f, n + f, dtype=torch.bool, device=self.mask.device)
-        has = parent_slots >= 0
-        if bool(has.any()):
-            rows[has.to(rows.device), :n] = self.mask[parent_slots[has].to(rows.device)]
-        rows[:, n:] = torch.eye(f, dtype=torch.bool, device=rows.device)
-        self.mask = torch.cat([torch.cat([self.mask, rows[:, :n].new_zeros(n, f)], 1), rows], 0)
-        return rows
+def _fed_ancestors(anc: torch.Tensor | None, parent_slot: torch.Tensor) -> torch.Tensor:
+    """Ancestor mask among the tree nodes fed to the drafter: the previous mask (C, F', W) or
+    None (level 2: parents are the root), the new nodes' parents among the last fed level
+    (C, F) -> (C, F, W' + F) with the new nodes last (each sees itself)."""
+    c, f = parent_slot.shape
+    eye = torch.eye(f, dtype=torch.bool, device=parent_slot.device).expand(c, f, f)
+    if anc is None:
+        return eye
+    mine = anc.gather(1, parent_slot[..., None].expand(c, f, anc.shape[2]))  # (C, F, W): the parent's row
+    return torch.cat([mine, eye], 2)

@@ -1,17 +1,16 @@
-"""Generator: the one orchestrator of decoding (vanilla AR and speculative trees), batched.
+"""Generator: the one entry point of decoding (vanilla AR and speculative trees), batched.
 
 Sequence layout per image: T caption positions, then image tokens; image token i sits at
 sequence position T + i. The target's output at position T + i - 1 predicts token i (the
 last caption position predicts token 0). With CFG every image has two rows, cond then uncond
 (for a batch: all cond rows, then all uncond rows), sharing one caption mask.
 
-A round: the ROOT of each image is its last committed token (not yet in the target's cache).
-Draft a tree below it, run the target once on every image's root + tree under tree masks,
-verify, keep the root and the accepted path in the cache, commit accepted tokens + the bonus
-token. Up to `DecodeConfig.batch_size` images are in flight (adt_core/batch.py); a prompt
-enters as soon as a slot frees (continuous refill). Vanilla AR is the same loop with
-root-only trees. With the coupled sampler (or greedy) every image's tokens are a function of
-its prompt, seed and config only: not of the method, the batch or the order of prompts.
+A Generator fixes, once, everything a decode needs (`DecodeSetup`: the sampler strategy, the
+drafter's scorer, the cost table of the cost budget, LANTERN's relaxation) and streams prompts
+through a `BatchDecoder` (adt_core/batch.py): up to `DecodeConfig.batch_size` images in flight, a
+prompt entering as soon as a slot frees (continuous refill). With the coupled sampler (or greedy)
+every image's tokens are a function of its prompt, seed and config only: not of the method, the
+batch or the order of prompts.
 """
 
 from __future__ import annotations
@@ -20,20 +19,17 @@ import weakref
 from collections import deque
 from typing import Iterator
 
-import numpy as np
 import torch
 
+from adt_core.batch import BatchDecoder, DecodeSetup
 from adt_core.calibrate import CostTable, Timer, batch_sizes, measure_draft_cost, measure_target_cost
 from adt_core.config import DecodeConfig, SamplingConfig
 from adt_core.draft import DraftScorer
-from adt_core.kv_cache import KVCache
-from adt_core.models.bundle import Bundle
-from adt_core.noise import gumbel
-from adt_core.results import GenerationResult, PromptFailure, RoundTrace, StepStats, estimate_speedup
-from adt_core.sampling import cfg_mix, perturbed, target_probs
-from adt_core.tree import DraftTree
 from adt_core.lantern import relaxation_for
-from adt_core.verify import Relaxation, VerifyResult, verify_coupled, verify_greedy, verify_stochastic
+from adt_core.models.bundle import Bundle
+from adt_core.results import GenerationResult, PromptFailure, estimate_speedup
+from adt_core.sampler import Sampler
+from adt_core.verify import Relaxation
 
 # measured target costs: model -> {(device, dtype, rows): table}; entries die with the model
 _COSTS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, CostTable]]" = weakref.WeakKeyDictionary()
@@ -60,9 +56,10 @@ class Generator:
         self.timer = Timer(self.device)
         self._relax: Relaxation | None = None
         self._costs: CostTable | None = None
-        # what draws the tokens: the argmax (greedy), fixed Gumbel noise (coupled) or generators (rejection)
-        self.sampler = "greedy" if self.sampling.greedy else config.sampler
-        coupled = self.sampling if self.sampler == "coupled" else None
+        self._planners: dict = {}  # what each capacity's round planner learned, kept across calls
+        # what draws the tokens, picked once: argmax (greedy), fixed Gumbel noise (coupled) or generators
+        self.sampler = Sampler.pick(self.sampling, config.sampler, tc.vocab_size)
+        coupled = self.sampling if self.sampler.kind == "coupled" else None
         self.scorer = DraftScorer(coupled, perturbed=config.draft_score == "perturbed")
 
     # ---- public -------------------------------------------------------------------------
@@ -80,14 +77,11 @@ class Generator:
         """Yield (input index, result) as images finish, up to `batch_size` in flight; a free
         slot takes the next prompt at once. A prompt whose caption cannot be encoded yields a
         PromptFailure and the others go on."""
-        from adt_core.batch import BatchDecoder
-
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         if not prompts:
             return
-        self._place_models()
-        dec = BatchDecoder(self, min(self.config.batch_size, len(prompts)))
+        dec = self.decoder(min(self.config.batch_size, len(prompts)))
         queue = deque((i, p, int(s)) for i, (p, s) in enumerate(zip(prompts, seeds)))
         while queue or dec.active():
             free = len(dec.free())
@@ -99,6 +93,14 @@ class Generator:
                     yield from self._finish(dec.admit(items, captions, cmask))
                 continue
             yield from self._finish(dec.step())
+
+    def decoder(self, capacity: int) -> BatchDecoder:
+        """A BatchDecoder of `capacity` slots over this Generator's fixed set-up."""
+        self._place_models()
+        costs = self.cost_table() if self.config.method == "adt" and self.config.adaptive.budget == "cost" else None
+        setup = DecodeSetup(self.bundle, self.config, self.sampler, self.scorer, self.cfg_rows, self.num_tokens,
+                            self.device, self.timer, costs, self.relaxation(), self._planners)
+        return BatchDecoder(setup, capacity)
 
     # ---- shared steps -------------------------------------------------------------------
     def _encode(self, items):
@@ -142,56 +144,6 @@ class Generator:
                 m.to(self.device, self.dtype)
         b.vq.to(self.device, torch.float32)
 
-    def _rows(self, captions: torch.Tensor, cmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, T, C) captions -> model rows (cond then uncond), with the caption mask per row."""
-        if self.cfg_rows == 1:
-            return captions, cmask
-        uncond = self.bundle.target.cls_embedding.uncond_embedding.to(captions.dtype)  # (T, C)
-        return torch.cat([captions, uncond.expand_as(captions)]), torch.cat([cmask, cmask])
-
-    def prefill(self, captions: torch.Tensor, cmask: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the caption rows; returns logits (R, V) at the last position and hidden (R, T, dim)."""
-        rows, rmask = self._rows(captions, cmask)
-        t = rows.shape[1]
-        cache.valid[:, :t] = rmask
-        causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
-        positions = torch.arange(t, device=self.device)
-        logits, hidden = self.bundle.target(positions, cache.attn_mask(causal), cache, captions=rows)
-        return logits[:, -1], hidden
-
-    def noise(self, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """Coupled Gumbel rows: seeds (B,), image positions (B, P) -> (B, P, V); None unless coupled."""
-        if self.sampler != "coupled":
-            return None
-        return gumbel(seeds, positions, self.bundle.target.config.vocab_size)
-
-    def noise_rows(self, seed: torch.Tensor, index: int, count: int) -> torch.Tensor | None:
-        """(count, V) Gumbel rows of image positions index .. index + count - 1 for one seed (1,)."""
-        rows = self.noise(seed, torch.arange(index, index + count, device=self.device)[None])
-        return None if rows is None else rows[0]
-
-    def sample(self, mixed: torch.Tensor, gens: list[torch.Generator], seeds: torch.Tensor,
-               positions: list[int]) -> torch.Tensor:
-        """mixed (B, V) -> (B,) tokens at image positions (B,): the argmax when greedy, the
-        perturbed argmax when coupled, else one multinomial draw per image generator."""
-        if self.sampler == "rejection":
-            probs = target_probs(mixed, self.sampling)
-            return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(gens)])
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)[:, None]
-        noise = self.noise(seeds, pos)
-        return perturbed(mixed, self.sampling, None if noise is None else noise[:, 0]).argmax(-1)
-
-    # ---- speculative pieces ---------------------------------------------------------------
-    def max_tree_nodes(self) -> int:
-        c = self.config
-        if c.method == "ar":
-            return 0
-        if c.method == "static":
-            return len(c.tree.static_paths)
-        if c.method == "adt":
-            return c.adaptive.n_max
-        return c.tree.budget
-
     def cost_table(self) -> CostTable:
         """Target forward and draft level cost vs total tokens on this device/dtype at this batch
         size, measured once per model and cached (or set with `use_costs`, e.g. from job outputs)."""
@@ -216,34 +168,6 @@ class Generator:
         """Decide budgets from this table instead of measuring (a resumed job reuses its own)."""
         self._costs = table
 
-    def verify_all(self, trees: dict, mixed: torch.Tensor, slots: dict) -> dict[int, VerifyResult]:
-        """Verify every slot's tree: mixed (cap, S, V) target logits at the padded nodes.
-        Root-only trees are one vectorised draw (a plain AR step)."""
-        roots = [b for b, t in trees.items() if t.size == 1]
-        out: dict[int, VerifyResult] = {}
-        if roots:
-            sl = [slots[b] for b in roots]
-            idx = torch.tensor(roots, device=self.device)
-            seeds = torch.cat([s.seed_t for s in sl])
-            toks = self.sample(mixed[idx, 0], [s.gen for s in sl], seeds, [len(s.committed) for s in sl]).tolist()
-            out.update({b: VerifyResult([], int(t)) for b, t in zip(roots, toks)})
-        for b, tree in trees.items():
-            if tree.size > 1:
-                s = slots[b]
-                noise = self.noise_rows(s.seed_t, len(s.committed), tree.depth + 1)
-                out[b] = self._verify(tree, mixed[b, : tree.size], s.gen, noise)
-        return out
-
-    def _verify(self, tree: DraftTree, mixed: torch.Tensor, gen: torch.Generator,
-                noise: torch.Tensor | None) -> VerifyResult:
-        """mixed (n+1, V) target logits at the tree's nodes; noise (levels + 1, V) rows by depth."""
-        relax = self.relaxation()
-        if self.sampler == "greedy":
-            return verify_greedy(tree, mixed, relax)
-        if self.sampler == "coupled":
-            return verify_coupled(tree, mixed, noise[tree.depths.to(noise.device)], self.sampling, relax)
-        return verify_stochastic(tree, mixed, self.sampling, gen, relax)
-
     def relaxation(self) -> Relaxation | None:
         """LANTERN's relaxed acceptance when configured (lossy), built once per Generator."""
         if self.config.lantern is None:
@@ -252,25 +176,3 @@ class Generator:
             codebook = self.bundle.vq.quantize.embedding.weight
             self._relax = relaxation_for(codebook, self.config.lantern, self.device)
         return self._relax
-
-    def record(self, stats: StepStats, tree: DraftTree | None, res: VerifyResult | None, index: int, width: int,
-               draft_ms: float, verify_ms: float, slots: int, tokens: int, drafted: bool) -> None:
-        """Add one round to an image's stats (times are its shares of the round)."""
-        stats.target_forwards += 1
-        stats.total_ms += draft_ms + verify_ms
-        stats.draft_ms += draft_ms
-        stats.verify_ms += verify_ms
-        if self.config.method == "ar":
-            return
-        if tree is None:  # a plain AR step of a speculative method (nothing drafted)
-            stats.accepted_lengths.append(0)
-            stats.rounds.append(RoundTrace(index, 0, 0, 0, 0, draft_ms, verify_ms, slots, tokens))
-            return
-        nodes = tree.size - 1
-        if drafted:
-            stats.draft_forwards += max(1, tree.depth)
-        stats.draft_tokens += nodes
-        stats.accepted_draft_tokens += res.num_accepted
-        stats.accepted_lengths.append(res.num_accepted)
-        stats.rounds.append(RoundTrace(index, tree.depth, width, nodes, res.num_accepted, draft_ms, verify_ms,
-                                       slots, tokens))

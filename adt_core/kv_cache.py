@@ -11,10 +11,15 @@ Attention runs over keys [0, max row length + S); the mask hides, per row, the k
 own length, caption padding (`valid` False: LlamaGen masks padded caption keys for both CFG
 rows) and whatever a tree mask hides. While every row has the same length (prefill, uniform
 steps) writes are plain slices; otherwise they scatter per row.
+
+Lengths live on the host (`host`, numpy) and are mirrored to the device (`lengths`): every change
+is host arithmetic copied down, never a read back, so the round's bookkeeping never waits for
+the device.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -34,6 +39,7 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.valid = torch.ones(rows, max_len, dtype=torch.bool, device=device)  # (R, max_len)
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)  # (R,) committed entries per row
+        self.host = np.zeros(rows, dtype=np.int64)  # (R,) the same lengths, on the host
         self._uniform: int | None = 0  # the common length while all rows share one, else None
         self._longest = 0  # max(lengths), kept on the host (no device sync per layer)
 
@@ -77,27 +83,30 @@ class KVCache:
 
     def advance(self, n: int) -> None:
         self.lengths += n
+        self.host += n
         self._longest += n
         if self._uniform is not None:
             self._uniform += n
 
-    def set_lengths(self, lengths: torch.Tensor) -> None:
-        """Per-row lengths (R,) (e.g. after a padded forward: each row keeps only its real entries)."""
-        self.lengths = lengths.to(self.lengths.device, torch.long).clone()
-        lo, hi = int(self.lengths.min()), int(self.lengths.max())
+    def set_lengths(self, lengths: np.ndarray | torch.Tensor) -> None:
+        """Per-row lengths (R,), from the host (a numpy array; a tensor is read back once)."""
+        host = lengths.detach().cpu().numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths)
+        self.host = host.astype(np.int64, copy=True)
+        self.lengths = torch.from_numpy(self.host.copy()).to(self.lengths.device)
+        lo, hi = int(self.host.min()), int(self.host.max())
         self._longest = hi
         self._uniform = hi if lo == hi else None
 
-    def truncate(self, length: int | torch.Tensor) -> None:
-        if isinstance(length, torch.Tensor):
-            if bool((length > self.lengths).any()):
-                raise ValueError("cannot truncate a row past its length")
-            self.set_lengths(length)
-            return
-        if length > self.length:
-            raise ValueError(f"cannot truncate to {length} > {self.length}")
-        self.lengths.fill_(length)
-        self._uniform = self._longest = length
+    def truncate(self, length: int | np.ndarray | torch.Tensor) -> None:
+        """Back to `length` (one for every row, or per row (R,)); never past a row's length."""
+        if isinstance(length, int):
+            if length > self._longest:
+                raise ValueError(f"cannot truncate to {length} > {self.length}")
+            length = np.full(self.rows, length, dtype=np.int64)
+        host = length.detach().cpu().numpy() if isinstance(length, torch.Tensor) else np.asarray(length)
+        if bool((host > self.host).any()):
+            raise ValueError("cannot truncate a row past its length")
+        self.set_lengths(host)
 
     # ---- masks --------------------------------------------------------------------------
     def attn_mask(self, new_mask: torch.Tensor, since: int | torch.Tensor | None = None) -> torch.Tensor:
@@ -152,19 +161,21 @@ class KVCache:
         self.v[:, :, :, start : start + n] = self.v.index_select(3, src)
         self.truncate(start + n)
 
-    def keep_rows(self, start: torch.Tensor, idx: torch.Tensor, counts: torch.Tensor) -> None:
+    def keep_rows(self, start: np.ndarray, idx: torch.Tensor, counts: np.ndarray) -> None:
         """Per row r keep slots start[r] + idx[r, :counts[r]] (ascending), compacted to
-        start[r] .. start[r] + counts[r]. idx (R, m) is padded past counts[r] (any in-range value)."""
+        start[r] .. start[r] + counts[r]. start, counts (R,) on the host; idx (R, m) on the device,
+        padded past counts[r] (any in-range value)."""
         dev = self.k.device
         m = idx.shape[1]
         if m:
-            src = (start[:, None] + idx).to(dev)  # (R, m)
-            dst = start[:, None].to(dev) + torch.arange(m, device=dev)  # (R, m)
+            first = torch.from_numpy(np.asarray(start, dtype=np.int64)).to(dev)[:, None]  # (R, 1)
+            src = first + idx  # (R, m)
+            dst = first + torch.arange(m, device=dev)  # (R, m)
             shape = (self.k.shape[0], self.rows, self.k.shape[2], m, self.k.shape[4])
             s5, d5 = (x[None, :, None, :, None].expand(shape) for x in (src, dst))
             for buf in (self.k, self.v):
                 buf.scatter_(3, d5, buf.gather(3, s5))
-        self.set_lengths(start.to(dev) + counts.to(dev))
+        self.set_lengths(np.asarray(start) + np.asarray(counts))
 
     def load_rows(self, rows: torch.Tensor, other: "KVCache") -> None:
         """Copy `other`'s rows (uniform, e.g. a prefill) into these rows; their lengths become its length."""
@@ -174,6 +185,6 @@ class KVCache:
         self.v[:, rows, :, :n] = other.v[:, :, :, :n]
         self.valid[rows] = True
         self.valid[rows, :n] = other.valid[:, :n]
-        lengths = self.lengths.clone()
-        lengths[rows] = n
-        self.set_lengths(lengths)
+        host = self.host.copy()
+        host[rows.cpu().numpy()] = n
+        self.set_lengths(host)

@@ -190,3 +190,31 @@ def verify_stochastic(
             return VerifyResult(accepted, int(torch.multinomial(residual, 1, generator=generator)))
         accepted.append(nxt)
         node = nxt
+
+
+def follow_batch(tree, targets: torch.Tensor, levels: int):
+    """Greedy / coupled verification of every slot at once (the walk of `follow_targets`).
+
+    tree: TreeBatch (C, n); targets: (C, n) y(node) at every node; levels: D, the deepest a tree
+    can be. A node is on the accepted path when it and each of its ancestors carry the target's
+    token at their parent (siblings carry distinct tokens, so the path is one chain). Returns
+    Verified: accepted counts (C,), path (C, D + 1) tree indices of root + accepted nodes, new
+    (C, D + 1) accepted tokens then the bonus token y(last accepted node); padded past each
+    slot's count (accepted + 1)."""
+    from adt_core.round_state import Verified
+
+    c, n = tree.tokens.shape
+    dev = tree.tokens.device
+    ok = tree.valid & (tree.tokens == targets.gather(1, tree.parents.clamp(min=0)))
+    ok[:, 0] = True
+    on_path = ~(tree.mask & ~ok[:, None, :]).any(-1)  # (C, n)
+    depth = torch.where(on_path, tree.depths, -1)
+    accepted = depth.max(1).values  # (C,)
+    last = depth.argmax(1)
+    bonus = targets.gather(1, last[:, None])  # (C, 1)
+    path = torch.zeros(c, levels + 2, dtype=torch.long, device=dev)  # column D + 1: sink
+    path.scatter_(1, torch.where(on_path, tree.depths, levels + 1), torch.arange(n, device=dev).expand(c, n))
+    path = path[:, : levels + 1]
+    new = torch.cat([tree.tokens.gather(1, path[:, 1:]), bonus], 1)  # (C, D + 1)
+    new.scatter_(1, accepted[:, None], bonus)
+    return Verified(accepted, path, new)

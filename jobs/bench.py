@@ -5,6 +5,7 @@
     python -m jobs.bench --calibrate           # target forward cost at 1, 8, 16, 32, 64 new tokens
     python -m jobs.bench --throughput --json docs/throughput.json --chart docs/img/throughput.png
                                                # images/s of ar / eagle2 / adt at batch 1, 4, 16, 64
+    python -m jobs.bench --cost-curves --xl    # forward ms vs new tokens per image at 1, 16, 64 images
     python -m jobs.bench --bundle random --dim 512 --layers 6 --heads 8 --vocab 4096 --calibrate
 
 Speed is reported as ratios of medians measured in this run (never compared across runs).
@@ -90,6 +91,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--calibrate", action="store_true", help="only measure target forward cost vs new tokens")
     ap.add_argument("--throughput", action="store_true",
                     help="images/s per method and engine batch size (jobs/throughput.py); --methods defaults to ar,eagle2,adt")
+    ap.add_argument("--cost-curves", action="store_true",
+                    help="ms of a target forward at n = 1..64 new tokens per image for 1, 16, 64 images "
+                         "(jobs/cost_curves.py); with --xl also a random LlamaGen-XL-shaped target in bf16")
+    ap.add_argument("--xl", action="store_true", help="--cost-curves: add the LlamaGen-XL-shaped target")
     ap.add_argument("--batches", default="1,4,16,64", help="--throughput: engine batch sizes")
     ap.add_argument("--min-images", type=int, default=8, help="--throughput: images per cell at least (and the batch)")
     ap.add_argument("--passes", type=int, default=2, choices=(1, 2), help="--throughput: passes per cell (best kept)")
@@ -148,7 +153,7 @@ def run_method(bundle, spec, temperature, prompts, seeds, args) -> dict:
         kw["temperature"] = temperature
     gen = Generator(bundle, DecodeConfig(device=args.device, dtype=args.dtype, batch_size=1, **kw))
     gen.generate(prompts[:1], seeds[:1])  # warm-up (and one-off costs: calibration, neighbour table)
-    sampler = gen.sampler
+    sampler = gen.sampler.kind
     results, secs = [], []
     for p, s in zip(prompts, seeds):  # one image at a time: every method at batch size 1
         t0 = time.perf_counter()
@@ -266,6 +271,11 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     bundle = get_bundle(args)
+    if args.cost_curves:
+        from jobs.cost_curves import run
+
+        run(bundle, args.device, args.dtype, args.xl, args.json)
+        return 0
     if args.throughput:
         from jobs.throughput import throughput
 

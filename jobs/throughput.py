@@ -83,7 +83,7 @@ def run_cell(bundle: Bundle, spec: dict, temperature, batch: int, prompts, seeds
         "mean_acceptance_length": statistics.mean(s.mean_acceptance_length for s in st),
         "nodes_per_round": statistics.mean(r.nodes for r in rounds) if rounds else 0.0,
         "draft_rounds_share": (sum(1 for r in rounds if r.nodes) / len(rounds)) if rounds else 0.0,
-        "sampler": gen.sampler, "tokens": [r.tokens.flatten().tolist() for r in res],
+        "sampler": gen.sampler.kind, "tokens": [r.tokens.flatten().tolist() for r in res],
     }
 
 

@@ -1,5 +1,6 @@
 """ADT-Tree controller: hand-built acceptance sequences -> expected shapes; exactness of `adt`."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -83,17 +84,42 @@ def test_bounds_respected_over_random_sequences():
         i += a + 1
 
 
-def test_batch_budget_prefers_small_trees_when_verification_is_expensive():
-    conf = torch.log(torch.tensor([0.9, 0.8, 0.5, 0.1, 0.05, 0.02] + [0.01] * 58))
+def _planner(costs, slots=1, **kw):
+    from adt_core.adaptive import AdaptiveGrid
+    from adt_core.planner import CostPlanner
+
+    cfg = AdaptiveConfig(**kw)
+    return CostPlanner(256, cfg, AdaptiveGrid(slots, (16, 16), cfg), costs, slots)
+
+
+def test_cost_planner_keeps_few_nodes_when_verification_is_expensive():
+    conf = torch.tensor([0.9, 0.8, 0.5, 0.1, 0.05, 0.02] + [0.01] * 58, dtype=torch.float64)
+    curve = torch.cat([torch.zeros(1, dtype=torch.float64), conf.cumsum(0)]).numpy()
     flat = CostTable({1: 10.0, 8: 10.0, 64: 10.0, 256: 10.0, 1024: 10.0})
     steep = CostTable({1: 10.0, 8: 80.0, 16: 160.0, 32: 320.0, 64: 640.0})
-    cfg = AdaptiveConfig()
-    assert BatchBudget(flat, cfg).choose([conf], 1.0) == 64  # verifying more is free: keep everything
-    assert BatchBudget(steep, cfg).choose([conf], 1.0) <= 3
-    # four slots: the forward carries 4 x (1 + m) tokens, so a linear cost never pays a node
-    linear = CostTable({1: 10.0, 4: 40.0, 8: 80.0, 64: 640.0, 512: 5120.0})
-    assert BatchBudget(linear, cfg).choose([conf] * 4, 1.0) == 0  # a plain AR step
-    assert BatchBudget(flat, cfg).choose([conf] * 4, 1.0) == 64
+    for costs, check in ((flat, lambda m: m == 64), (steep, lambda m: m <= 3)):
+        p = _planner(costs)
+        assert p.nodes(1, 8, 8) == 8  # before any drafted round: about a chain of the planned depth
+        p.curve, p.level_ms = curve, 1.0
+        assert check(p.nodes(1, 8, 8))  # flat: verifying more is free, keep everything; steep: a few
+    p = _planner(flat)
+    p.curve, p.level_ms = curve, 1.0
+    assert p.nodes(1, 2, 2) <= 4  # never more nodes than two levels of two children hold
+
+
+def test_cost_planner_depth_cap_follows_what_levels_pay():
+    from adt_core.round_state import RoundOutcome, RoundPlan
+
+    costs = CostTable({1: 10.0, 64: 10.0})  # a plain step: 10 ms for one token
+    p = _planner(costs)
+    p.seen = {True, False}  # past the first (warm-up) round of each kind
+    plan = RoundPlan(3, 2, 4, np.array([3]), np.array([2]), np.array([4]))
+    out = lambda conf: RoundOutcome(np.array([2]), np.array([3]), np.array([4]), np.array(conf), np.zeros(65))  # noqa: E731
+    p.observe(plan, out([0.0, 0.9, 0.6, 0.4]), 1, round_ms=20.0, draft_ms=3.0)  # 1 ms per level: all pay
+    assert p.depth_cap == 4  # one level deeper is tried
+    p.level_ms = 5.0
+    p.observe(plan, out([0.0, 0.9, 0.6, 0.01]), 1, round_ms=20.0, draft_ms=15.0)
+    assert p.depth_cap == 2  # the third level's expected tokens no longer pay its cost
 
 
 def test_batch_budget_drafts_only_while_it_measures_faster_and_probes():
@@ -114,29 +140,6 @@ def test_batch_budget_drafts_only_while_it_measures_faster_and_probes():
     b.observe_round(4, True, ms=5.0, tokens=6)  # drafting got much faster (an easy region)
     b.observe_round(4, True, ms=5.0, tokens=6)
     assert b.worth_drafting(4) and b.probe_every == PROBE_EVERY
-    gate = b.level_gate(4)  # a token is worth 10 ms: a level costing 5 ms needs 0.5 expected tokens
-    assert gate(2, {0: 0.3, 1: 0.3}, 8) and not gate(2, {0: 0.2, 1: 0.2}, 8)
-
-
-def test_min_confidence_cuts_drafting_depth():
-    """Expanded paths' confidences sum to at most 1: a floor above that stops after level 1, a zero
-    floor builds every level, a floor between stops somewhere between."""
-    from adt_core.draft import DraftRequest, TreeProposer
-
-    bundle = random_bundle(seed=3, vocab=16, grid=(4, 4))
-    drafter, head = bundle.drafter, bundle.target.head
-    dim, t = drafter.config.dim, drafter.config.cls_token_num
-    hidden = torch.randn(1, t, dim, generator=torch.Generator().manual_seed(0))
-
-    def pool(min_conf: float):
-        p = TreeProposer(drafter, head, 1.0, 1, t + 64)
-        p.observe(0, hidden, list(range(t)), 0)
-        return p.propose({0: DraftRequest(1, t, depth=4, width=3, min_confidence=min_conf)})[0]
-
-    full, cut, mid = pool(0.0), pool(1.5), pool(0.05)
-    assert int(full.depths.max()) == 4 and int(cut.depths.max()) == 1
-    assert torch.equal(pool(0.0).tokens, full.tokens)  # drafting is deterministic
-    assert 1 <= int(mid.depths.max()) <= 4
 
 
 def test_draft_level_cost_is_measured_once_per_generator_model():
@@ -150,9 +153,9 @@ def test_draft_level_cost_is_measured_once_per_generator_model():
 
 
 @pytest.mark.parametrize("adaptive", [
-    AdaptiveConfig(),
-    AdaptiveConfig(init="vertical", mode="step"),
-    AdaptiveConfig(init="both", d_max=6, k_max=8, n_max=32),
+    AdaptiveConfig(budget="shape"),
+    AdaptiveConfig(budget="shape", init="vertical", mode="step"),
+    AdaptiveConfig(budget="shape", init="both", d_max=6, k_max=8, n_max=32),
     AdaptiveConfig(budget="cost", n_min=2),
 ])
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])

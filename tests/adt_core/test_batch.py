@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, TreeConfig, random_bundle
-from adt_core.batch import BatchDecoder
+from adt_core.batch import prefill
 from adt_core.calibrate import CostTable
 from adt_core.results import PromptFailure
 
@@ -17,7 +17,7 @@ COSTS = CostTable({1: 1.0, 4: 1.2, 8: 1.5, 16: 2.5, 32: 5.0, 64: 10.0, 128: 20.0
 METHODS = [
     ("static", dict(tree=TreeConfig(depth=4))),
     ("eagle2", dict(tree=TreeConfig(depth=4, top_k=4, budget=12))),
-    ("adt", dict(adaptive=AdaptiveConfig(d_max=5, k_max=6, n_max=16))),
+    ("adt", dict(adaptive=AdaptiveConfig(budget="shape", d_max=5, k_max=6, n_max=16))),
     ("adt", dict(adaptive=AdaptiveConfig(budget="cost", d_max=5, k_max=6, n_max=16))),
 ]
 
@@ -92,7 +92,7 @@ def fresh_cache_rows(g, prompt, committed):
     """A single-image cache holding captions + committed[:-1] (the root is not cached yet)."""
     cap, cmask = g.bundle.text_encoder.encode([prompt])
     cache = g.bundle.target.new_cache(g.cfg_rows, g.bundle.target.config.cls_token_num + len(committed))
-    g.prefill(cap, cmask, cache)
+    prefill(g.bundle, cap, cmask, cache, g.cfg_rows)
     t = cache.length
     toks = torch.tensor(committed[:-1])[None].repeat(g.cfg_rows, 1)
     if toks.shape[1]:
@@ -107,8 +107,7 @@ def test_ragged_cache_rows_hold_exactly_the_committed_prefix(method, cfg_scale):
     g = Generator(bundle, DecodeConfig(method=method, temperature=0.9, cfg_scale=cfg_scale, batch_size=3,
                                        tree=TreeConfig(depth=3, top_k=3, budget=8)))
     g.use_costs(COSTS)
-    g._place_models()
-    dec = BatchDecoder(g, 3)
+    dec = g.decoder(3)
     queue = list(zip(range(5), PROMPTS, SEEDS))
     nbytes, t = dec.cache.nbytes(), bundle.target.config.cls_token_num
     done, rounds = 0, 0
@@ -123,14 +122,15 @@ def test_ragged_cache_rows_hold_exactly_the_committed_prefix(method, cfg_scale):
             rounds += 1
             assert dec.cache.nbytes() == nbytes  # preallocated once: no growth with rounds
             for b in dec.active():
-                s = dec.slots[b]
-                ref = fresh_cache_rows(g, s.prompt, s.committed)
+                count = int(dec.slots.host_count[b])
+                committed = dec.slots.tokens[b, :count].tolist()
+                ref = fresh_cache_rows(g, dec.meta[b][1], committed)
                 n = ref.length
-                for j, row in enumerate(dec.rows(b).tolist()):
-                    assert int(dec.cache.lengths[row]) == t + len(s.committed) - 1 == n
+                for j, row in enumerate(b + dec.capacity * i for i in range(g.cfg_rows)):
+                    assert int(dec.cache.lengths[row]) == int(dec.cache.host[row]) == t + count - 1 == n
                     assert torch.equal(dec.cache.valid[row, :t], ref.valid[j, :t])
                     torch.testing.assert_close(dec.cache.k[:, row, :, :n], ref.k[:, j, :, :n], atol=1e-5, rtol=1e-4)
                     torch.testing.assert_close(dec.cache.v[:, row, :, :n], ref.v[:, j, :, :n], atol=1e-5, rtol=1e-4)
             for b in dec.free():  # retired rows are empty again
-                assert all(int(dec.cache.lengths[r]) == 0 for r in dec.rows(b).tolist())
+                assert all(int(dec.cache.lengths[b + dec.capacity * i]) == 0 for i in range(g.cfg_rows))
     assert done == 5 and rounds > 4

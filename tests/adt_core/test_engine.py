@@ -137,7 +137,7 @@ ADT_SMALL = dict(d0=3, k0=3, d_min=1, d_max=3, k_min=2, k_max=4, n_min=2, n_max=
 @pytest.mark.parametrize("method,tree,adaptive", [
     ("eagle2", TreeConfig(depth=3, top_k=3, budget=8), AdaptiveConfig()),
     ("static", TreeConfig(depth=3, static_paths=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))), AdaptiveConfig()),
-    ("adt", TreeConfig(), AdaptiveConfig(**ADT_SMALL)),
+    ("adt", TreeConfig(), AdaptiveConfig(budget="shape", **ADT_SMALL)),
     ("adt", TreeConfig(), AdaptiveConfig(**ADT_SMALL, init="both", budget="cost")),
     ("ar", TreeConfig(), AdaptiveConfig()),
 ])

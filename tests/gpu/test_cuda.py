@@ -23,7 +23,7 @@ def run(bundle, **kw):
 @pytest.mark.parametrize("method,extra", [
     ("eagle2", dict(tree=TreeConfig(depth=5, top_k=10, budget=58))),
     ("static", dict(tree=TreeConfig(depth=5))),
-    ("adt", dict(adaptive=AdaptiveConfig())),
+    ("adt", dict(adaptive=AdaptiveConfig(budget="shape"))),
     ("adt", dict(adaptive=AdaptiveConfig(budget="cost"))),
 ])
 def test_cuda_fp32_greedy_speculative_equals_vanilla(method, extra):

@@ -1,0 +1,202 @@
+"""Round planners: what each method drafts, decided once per round on the host.
+
+A planner is picked once per Generator (`planner_for`) and answers `plan(slots)` with a
+`RoundPlan` (levels D, width K, kept nodes M, and per-slot depth / width / node budget) or None
+(a plain AR step). It reads only host state: the slots' committed counts and what earlier rounds
+reported (`RoundOutcome`, read back once per round), so planning never waits for the device.
+
+- `ar`: never drafts.
+- `eagle2`: D = tree.depth, K = tree.top_k, M = tree.budget for every slot.
+- `static`: the fixed tree (cut to the image's end).
+- `adt` (budget "shape", the paper's): each slot's (d, k) from the ADT-Tree controller
+  (adt_core/adaptive.py), n = gamma d k kept nodes; the batch's D, K, M are the slots' largest.
+- `adt` (budget "cost", the default): the slots' (d, k) as above, and
+  1. whether to draft at all: `BatchBudget`'s measured rates (adt_core/budget.py);
+  2. M: the width bucket maximising (A + expected accepted tokens) / (verify + draft ms),
+     expected tokens = the last drafted round's summed path confidences of each slot's m best
+     candidates, calibrated by the tokens its kept nodes actually committed;
+  3. a depth cap: the deepest level whose kept nodes' expected tokens pay the level's measured
+     cost at the AR token price (one level deeper is tried when every level paid).
+
+Verify widths are padded to a few buckets (WIDTHS), so a compiled or captured step can serve them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from adt_core.adaptive import AdaptiveGrid, shape_budget
+from adt_core.budget import EMA, BatchBudget
+from adt_core.calibrate import CostTable
+from adt_core.config import AdaptiveConfig, DecodeConfig
+from adt_core.round_state import RoundOutcome, RoundPlan, Slots
+
+WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # drafted nodes per slot a verify may carry
+
+
+def bucket(m: int) -> int:
+    """The smallest width bucket holding m nodes (m itself past the largest)."""
+    return next((w for w in WIDTHS if w >= m), m)
+
+
+class Planner:
+    """Never drafts (method "ar")."""
+
+    drafts = False
+
+    def adopt(self, earlier: "Planner") -> None:
+        """Start from what an earlier decoder of the same Generator learned (nothing here)."""
+
+    def __init__(self, n_tokens: int) -> None:
+        self.n = n_tokens
+
+    def room(self, slots: Slots) -> np.ndarray:
+        """(C,) levels each slot can still draft (0 for free slots and an image's last token)."""
+        return np.where(slots.active, np.maximum(self.n - slots.host_count - 1, 0), 0)
+
+    def plan(self, slots: Slots) -> RoundPlan | None:
+        return None
+
+    def observe(self, plan: RoundPlan, outcome: RoundOutcome, slots: int, round_ms: float, draft_ms: float) -> None:
+        """A speculative round finished (times in ms, `slots` active)."""
+
+    def observe_plain(self, slots: int, round_ms: float) -> None:
+        """A plain step finished."""
+
+    @staticmethod
+    def _fixed(depth: np.ndarray, width: int, nodes: int) -> RoundPlan | None:
+        if depth.max(initial=0) <= 0:
+            return None
+        full = lambda v: np.full(depth.shape, v, np.int64)  # noqa: E731
+        return RoundPlan(int(depth.max()), width, nodes, depth, full(width), full(nodes))
+
+
+class EaglePlanner(Planner):
+    drafts = True
+
+    def __init__(self, n_tokens: int, config: DecodeConfig) -> None:
+        super().__init__(n_tokens)
+        self.tree = config.tree
+
+    def plan(self, slots: Slots) -> RoundPlan | None:
+        return self._fixed(np.minimum(self.room(slots), self.tree.depth), self.tree.top_k, self.tree.budget)
+
+
+class StaticPlanner(EaglePlanner):
+    def plan(self, slots: Slots) -> RoundPlan | None:
+        depth = np.minimum(self.room(slots), self.tree.depth)
+        nodes = sum(1 for p in self.tree.static_paths if len(p) <= depth.max(initial=0))
+        return self._fixed(depth, 0, nodes)
+
+
+class ShapePlanner(Planner):
+    """ADT-Tree with the paper's fixed node budget n = clamp(round(gamma d k), n_min, n_max)."""
+
+    drafts = True
+
+    def __init__(self, n_tokens: int, cfg: AdaptiveConfig, grid: AdaptiveGrid) -> None:
+        super().__init__(n_tokens)
+        self.cfg, self.grid = cfg, grid
+
+    def shapes(self, slots: Slots) -> tuple[np.ndarray, np.ndarray]:
+        d, k = self.grid.shapes(slots.host_count)
+        return np.minimum(d, self.room(slots)), k
+
+    def plan(self, slots: Slots) -> RoundPlan | None:
+        d, k = self.shapes(slots)
+        if d.max(initial=0) <= 0:
+            return None
+        budget = np.array([shape_budget(int(a), int(b), self.cfg) if a > 0 else 0 for a, b in zip(d, k)])
+        live = d > 0
+        return RoundPlan(int(d.max()), int(k[live].max()), bucket(int(budget.max())), d, k, budget)
+
+
+class CostPlanner(ShapePlanner):
+    """ADT-Tree sized by this device's measured costs (budget "cost")."""
+
+    def __init__(self, n_tokens: int, cfg: AdaptiveConfig, grid: AdaptiveGrid, costs: CostTable, capacity: int) -> None:
+        super().__init__(n_tokens, cfg, grid)
+        self.costs, self.capacity = costs, capacity
+        self.guard = BatchBudget(costs, cfg)
+        self.cal = 1.0  # tokens committed per unit of summed kept-node confidence
+        self.curve: np.ndarray | None = None  # (n_max + 1,) expected accepted tokens per slot keeping m nodes
+        self.level_ms: float | None = None  # measured draft ms per level
+        self.depth_cap = cfg.d_max
+        self.seen: set[bool] = set()  # kinds of round seen once (the first of each pays one-off costs)
+
+    def adopt(self, earlier: "CostPlanner") -> None:
+        """Start from what an earlier decoder of the same Generator and capacity learned."""
+        self.guard, self.cal, self.curve = earlier.guard, earlier.cal, earlier.curve
+        self.level_ms, self.depth_cap, self.seen = earlier.level_ms, earlier.depth_cap, earlier.seen
+
+    def _warm(self, drafted: bool) -> bool:
+        """False for the first round of a kind: its time holds one-off costs, not the rate."""
+        if drafted in self.seen:
+            return True
+        self.seen.add(drafted)
+        return False
+
+    def plan(self, slots: Slots) -> RoundPlan | None:
+        a = int(slots.active.sum())
+        if a == 0 or not self.guard.worth_drafting(a):
+            return None
+        d, k = self.shapes(slots)
+        d = np.minimum(d, self.depth_cap)
+        if d.max(initial=0) <= 0:
+            return None
+        levels, width = int(d.max()), int(k[d > 0].max())
+        m = self.nodes(a, levels, width)
+        return RoundPlan(levels, width, m, d, k, np.where(d > 0, m, 0))
+
+    def _level_cost(self, a: int, width: int) -> float:
+        if self.level_ms is not None:
+            return self.level_ms
+        return self.costs.draft_cost(self.capacity * width)
+
+    def nodes(self, a: int, levels: int, width: int) -> int:
+        """M: the width bucket with the best modelled rate (tokens per ms) for `a` slots."""
+        hi = min(self.cfg.n_max, levels * width if levels > 1 else width)
+        if self.curve is None:
+            return bucket(min(levels, hi))  # first drafted round: about a chain
+        draft = levels * self._level_cost(a, width)
+        best, best_rate = 1, -1.0
+        for m in (w for w in WIDTHS if w <= max(hi, 1)):
+            expected = a * self.cal * self.curve[min(m, len(self.curve) - 1)]
+            rate = (a + expected) / (self.costs.cost(self.capacity * (1 + m)) + draft)
+            if rate > best_rate:
+                best, best_rate = m, rate
+        return best
+
+    def observe(self, plan: RoundPlan, outcome: RoundOutcome, slots: int, round_ms: float, draft_ms: float) -> None:
+        accepted = float(outcome.accepted.sum())
+        if not self._warm(True):
+            return
+        self.guard.observe_round(slots, True, round_ms, slots + int(accepted))
+        predicted = float(outcome.level_conf[1:].sum())
+        if predicted > 0:
+            self.cal += EMA * (accepted / predicted - self.cal)
+        self.curve = outcome.curve / max(slots, 1)
+        per_level = draft_ms / plan.levels
+        self.level_ms = per_level if self.level_ms is None else self.level_ms + EMA * (per_level - self.level_ms)
+        price = self.costs.cost(self.capacity) / max(slots, 1)  # ms of one token from a plain step
+        pays = self.cal * outcome.level_conf[1 : plan.levels + 1] * price >= self.level_ms
+        fail = np.flatnonzero(~pays)
+        self.depth_cap = min(plan.levels + 1, self.cfg.d_max) if fail.size == 0 else max(1, int(fail[0]))
+
+    def observe_plain(self, slots: int, round_ms: float) -> None:
+        if self._warm(False):
+            self.guard.observe_round(slots, False, round_ms, slots)
+
+
+def planner_for(config: DecodeConfig, n_tokens: int, grid: AdaptiveGrid | None, costs: CostTable | None,
+                capacity: int) -> Planner:
+    """The method's planner, picked once."""
+    if config.method == "ar":
+        return Planner(n_tokens)
+    if config.method == "eagle2":
+        return EaglePlanner(n_tokens, config)
+    if config.method == "static":
+        return StaticPlanner(n_tokens, config)
+    if config.adaptive.budget == "cost":
+        return CostPlanner(n_tokens, config.adaptive, grid, costs, capacity)
+    return ShapePlanner(n_tokens, config.adaptive, grid)

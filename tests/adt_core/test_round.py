@@ -1,0 +1,183 @@
+"""The whole-batch round: structure (operator counts, host reads) and its pure batched helpers.
+
+Speed itself lives in `python -m jobs.bench --throughput`; here only what can be counted.
+"""
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from adt_core import AdaptiveConfig, DecodeConfig, Generator, TreeConfig, random_bundle
+from adt_core.calibrate import CostTable
+from adt_core.round_state import CandidateBatch
+from adt_core.tree import DraftTree, rerank, rerank_batch, tree_of
+from adt_core.verify import follow_batch, follow_targets
+
+FLAT = CostTable({1: 1.0, 4096: 1.0}, draft={1: 0.01, 4096: 0.01})  # drafting always pays
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the torch operators dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def decoder(bundle, method, slots, plain=False, **kw):
+    g = Generator(bundle, DecodeConfig(method=method, batch_size=slots, temperature=1.0, top_k=20, cfg_scale=3.0,
+                                       **kw))
+    g.use_costs(FLAT)
+    dec = g.decoder(slots)
+    if plain:
+        dec.planner.plan = lambda s: None  # the budget's plain round
+    elif hasattr(dec.planner, "guard"):
+        dec.planner.guard.worth_drafting = lambda a: True  # the budget drafts every round
+    items = [(i, f"prompt {i}", i) for i in range(slots)]
+    cap, cmask = bundle.text_encoder.encode([p for _, p, _ in items])
+    with torch.inference_mode():
+        dec.admit(items, cap, cmask)
+        dec.step()  # past first-round effects
+    return dec
+
+
+def test_a_non_drafting_round_costs_the_operators_of_an_ar_step():
+    bundle = random_bundle(seed=1, vocab=64, grid=(4, 4))
+    counts = {}
+    for method, plain in (("ar", False), ("adt", True)):
+        dec = decoder(bundle, method, 8, plain=plain)
+        with torch.inference_mode(), OpCount() as c:
+            dec.step()
+        counts[method] = c.n
+    assert counts["adt"] <= 1.05 * counts["ar"], counts
+
+
+class HostReads:
+    """Counts reads of device values on the host (each one waits for a GPU)."""
+
+    # numpy() needs a CPU tensor, so on a GPU every read passes through one of these first
+    NAMES = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self) -> None:
+        self.calls: collections.Counter = collections.Counter()
+
+    def __enter__(self):
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+        for n, f in self.saved.items():
+            setattr(torch.Tensor, n, self._wrap(n, f))
+        return self
+
+    def _wrap(self, name, f):
+        def counted(t, *a, **k):
+            self.calls[name] += 1
+            return f(t, *a, **k)
+        return counted
+
+    def __exit__(self, *exc):
+        for n, f in self.saved.items():
+            setattr(torch.Tensor, n, f)
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+
+@pytest.mark.parametrize("method,kw", [("adt", {}), ("eagle2", dict(tree=TreeConfig(depth=3, top_k=3, budget=6))),
+                                       ("static", dict(tree=TreeConfig(depth=3)))])
+def test_one_host_read_per_round_whatever_the_slots(method, kw):
+    bundle = random_bundle(seed=2, vocab=32, grid=(6, 6))
+    reads = {}
+    for slots in (2, 6):
+        dec = decoder(bundle, method, slots, **kw)
+        with torch.inference_mode(), HostReads() as spec:
+            dec.step()
+        plain = decoder(bundle, method, slots, plain=True, **kw)
+        with torch.inference_mode(), HostReads() as step:
+            plain.step()
+        reads[slots] = (spec.total, step.total)
+    assert reads[2] == reads[6], reads
+    assert reads[2][0] == 1 and reads[2][1] == 0, reads  # one read per drafted round, none in a plain step
+
+
+def random_pool(gen, c, levels, width):
+    """A pool shaped like the drafter's: level 1 under the root, each next level under the best
+    few of the last, scores decreasing along paths; some candidates invalid."""
+    tokens, parents, depths, scores, valid = [], [], [], [], []
+    last = None
+    for d in range(1, levels + 1):
+        if last is None:
+            par = torch.full((c, width), -1)
+            base = torch.zeros(c, width)
+        else:
+            pick = torch.randint(0, last[0].shape[1], (c, 2), generator=gen)
+            par = (last[1] + pick).repeat_interleave(width, 1)
+            base = last[0].gather(1, pick).repeat_interleave(width, 1)
+        n = par.shape[1]
+        off = sum(t.shape[1] for t in tokens)
+        tokens.append(torch.stack([torch.randperm(50, generator=gen)[:n] for _ in range(c)]))
+        parents.append(par)
+        depths.append(torch.full((c, n), d))
+        sc = base - torch.rand(c, n, generator=gen)
+        scores.append(sc)
+        valid.append(torch.rand(c, n, generator=gen) > 0.2 if d > 1 else torch.ones(c, n, dtype=torch.bool))
+        last = (sc, torch.full((c, 1), off))
+    pool = CandidateBatch(*(torch.cat(x, 1) for x in (tokens, parents, depths, scores, valid)))
+    # a child of an invalid node is invalid
+    for _ in range(levels):
+        ok = torch.where(pool.parents >= 0, pool.valid.gather(1, pool.parents.clamp(min=0)), True)
+        pool.valid &= ok
+    return pool
+
+
+def test_rerank_batch_and_follow_batch_match_the_per_tree_helpers():
+    gen = torch.Generator().manual_seed(0)
+    c, levels = 5, 4
+    pool = random_pool(gen, c, levels, 3)
+    budget = torch.tensor([1, 3, 6, 9, 12])
+    roots = torch.arange(c) + 100
+    batch = rerank_batch(pool, 12, budget, roots, levels)
+    for b in range(c):
+        keep = pool.valid[b]
+        index = torch.full((pool.tokens.shape[1],), -1)
+        index[keep] = torch.arange(int(keep.sum()))
+        from adt_core.tree import CandidatePool
+        one = CandidatePool(pool.tokens[b][keep], torch.where(pool.parents[b][keep] >= 0,
+                                                             index[pool.parents[b][keep].clamp(min=0)], -1),
+                            pool.depths[b][keep], pool.scores[b][keep])
+        ref = rerank(one, int(budget[b]), int(roots[b]), 0)
+        mine = tree_of(batch, b)
+        assert torch.equal(mine.tokens, ref.tokens) and torch.equal(mine.parents, ref.parents), b
+        assert torch.equal(batch.mask[b, : mine.size, : mine.size], ref.ancestor_mask())
+        # targets that follow a random path: the batched walk equals the per-tree walk
+        targets = torch.randint(0, 50, (batch.size,), generator=gen)
+        for node in range(1, mine.size):  # make the path through the first child of each node likely
+            if torch.rand(1, generator=gen) < 0.7:
+                targets[int(mine.parents[node])] = int(mine.tokens[node])
+        res = follow_targets(mine, targets[: mine.size].tolist())
+        full = torch.zeros(c, batch.size, dtype=torch.long)
+        full[b] = targets
+        ver = follow_batch(batch, full, levels)
+        a = int(ver.accepted[b])
+        assert a == res.num_accepted
+        assert ver.path[b, : a + 1].tolist() == [0] + res.accepted
+        assert ver.new[b, : a + 1].tolist() == mine.tokens[res.accepted].tolist() + [res.bonus]
+
+
+def test_static_tree_levels_follow_the_paths():
+    from adt_core.draft import StaticLevels
+
+    paths = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
+    lv = StaticLevels.build(paths, 3, "cpu")
+    assert lv.levels == 3
+    assert lv.ranks[0].tolist() == [[True, True]]  # the root keeps ranks 0 and 1
+    assert lv.front[0].tolist() == [0, 1]  # both expand
+    assert lv.ranks[1].tolist() == [[True, True], [True, False]]
+    assert lv.front[1].tolist() == [0]  # only (0, 0) expands into level 3
+    assert lv.ranks[2].tolist() == [[True]]
