@@ -21,6 +21,16 @@ test: $(STAMP)
 run: $(STAMP)
 	$(PY) -m jobs.generate $(ARGS)
 
+# the side-by-side benchmark (docs/bench.md): images/s of ar, eagle2 and adt with 1 and 8 images in
+# flight, same prompts and seeds, engine alone; a few minutes on a laptop CPU. Override with
+# BENCH_ARGS, e.g. make bench BENCH_ARGS="--batches 1,4,16,64 --passes 2"
+BENCH_ARGS ?= --batches 1,8 --min-images 8 --passes 1 --temperatures 0
+BENCH_OUT ?= outputs/bench
+bench: $(STAMP)
+	mkdir -p $(BENCH_OUT)
+	rm -f $(BENCH_OUT)/throughput.json
+	$(PY) -m jobs.bench --throughput $(BENCH_ARGS) --json $(BENCH_OUT)/throughput.json --chart $(BENCH_OUT)/throughput.png
+
 calibrate: $(STAMP)
 	$(PY) -m jobs.bench --calibrate
 

@@ -10,6 +10,12 @@ flag below is one JobConfig field (dotted names reach nested fields). Exit codes
 1 some rows failed (unless --allow-failures), 2 bad config, prompt input or resume, 3 Ray
 cluster unreachable or too small, 4 storage unavailable, 5 output in use by another job,
 6 interrupted (SIGTERM/SIGINT), 7 internal error.
+
+While it runs: each actor prints one 'worker ready' line (bundle loading and cost table,
+with their times), then progress as images finish (a bar on a terminal; in logs a line per
+tenth of the images and every --progress-interval-s); --progress also shows Ray Data's and
+Hugging Face's own progress output. At the end: a summary (docs/pipeline.md, "The
+summary") and the command for the job's HTML report (python -m jobs.report <output>).
 """
 
 from __future__ import annotations

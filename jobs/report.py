@@ -123,14 +123,23 @@ th{background:#f6f8fa}pre{background:#f6f8fa;padding:12px;border-radius:6px;over
 """
 
 
+def rate_cards(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The headline's throughput: over the whole run and while the engine ran; the steady rate
+    only where the job's summary found a window that means something (pipeline.summary)."""
+    cards = [("images/s (whole run)", _f(summary.get("images_per_second"))),
+             ("images/s while decoding", _f(summary.get("decode_images_per_second")))]
+    if summary.get("steady_images_per_second") is not None:
+        cards.append(("steady images/s", _f(summary["steady_images_per_second"])))
+    return cards + [("wall time", _f(summary.get("wall_time_s"), " s"))]
+
+
 def render_html(data: JobData, charts: list[Chart]) -> str:
     cfg, s = data.config, data.summary
     ok = ok_rows(data.rows).num_rows
     failed = data.rows.num_rows - ok
     methods = sorted({m for m in data.rows["method"].to_pylist() if m})
     cards = [("prompts", f"{data.rows.num_rows:,}"), ("ok", f"{ok:,}"), ("failed", f"{failed:,}"),
-             ("method", "/".join(methods) or "-"), ("bundle", str(cfg.get("bundle", "-"))),
-             ("steady images/s", _f(s.get("steady_images_per_second"))), ("wall time", _f(s.get("wall_time_s"), " s"))]
+             ("method", "/".join(methods) or "-"), ("bundle", str(cfg.get("bundle", "-")))] + rate_cards(s)
     e = html.escape
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>Job report: {e(str(cfg.get('job_id', data.uri)))}</title>",
              f"<style>{CSS}</style></head><body><header><h1>Job report: {e(str(cfg.get('job_id', '')))}</h1>",

@@ -3,7 +3,8 @@
 In a terminal the driver draws one bar that redraws in place; in logs and CI (no terminal,
 e.g. `ray job submit`, which keeps no carriage returns) it prints plain lines: one at every
 tenth of the images, one every `interval_s` even when nothing finished (so a long start-up
-reads as waiting, not as a hang), and one at the end. The driver knows the total: the prompts
+reads as waiting, not as a hang: that gap doubles while no image has finished), and one at
+the end. The driver knows the total: the prompts
 it selected.
 
 Other libraries' progress output is off unless `--progress` asks for it (`quiet_progress_bars`,
@@ -21,6 +22,7 @@ from typing import Any, Callable, Optional, TextIO
 
 BAR_WIDTH = 24
 TENTHS = 10  # a plain line at every tenth of the images
+WAIT_CAP_S = 60.0  # the longest gap between lines while waiting for the first images
 
 
 def format_duration(seconds: float) -> str:
@@ -45,6 +47,7 @@ class Progress:
         self.first: Optional[tuple[float, int]] = None  # (time, rows) of the first rows
         self.last_said: Optional[float] = None
         self.tenth_said = 0  # the last tenth of the total a line was said at
+        self.rows_said = False  # a line was said since rows started arriving
         self.lines = 0  # lines said (or bar redraws)
 
     def add(self, rows: int, ok: int) -> None:
@@ -61,17 +64,25 @@ class Progress:
             self._maybe_say(self.clock(), new_rows=False)
 
     def _maybe_say(self, now: float, new_rows: bool) -> None:
-        tenth = self.done * TENTHS // self.total if self.total else TENTHS
-        due = self.last_said is None and new_rows or self.last_said is not None and now - self.last_said >= self.interval_s
         if self.bar is not None:
             self._draw(now)
             return
-        if not (self.done >= self.total or tenth > self.tenth_said or due or
-                (self.last_said is None and now - self.started >= self.interval_s)):
+        tenth = self.done * TENTHS // self.total if self.total else TENTHS
+        first_rows = new_rows and not self.rows_said
+        due = now - (self.started if self.last_said is None else self.last_said) >= self._interval()
+        if not (self.done >= self.total or tenth > self.tenth_said or first_rows or due):
             return
         self.last_said, self.tenth_said = now, max(self.tenth_said, tenth)
+        self.rows_said = self.rows_said or new_rows
         self.lines += 1
         self.say(self.line(now))
+
+    def _interval(self) -> float:
+        """interval_s; while no image has finished it doubles after each line (up to a minute),
+        so a long start-up reads as waiting without a wall of identical lines."""
+        if self.first is not None:
+            return self.interval_s
+        return min(max(self.interval_s, WAIT_CAP_S), self.interval_s * 2 ** self.lines)
 
     def rate(self, now: float) -> Optional[float]:
         if self.first is None or now <= self.first[0] or self.done <= self.first[1]:

@@ -210,7 +210,7 @@ class GeneratorWorker:
         out as images finish (`pack`; at most one chunk every YIELD_EVERY_S, the rest at the end)."""
         out = _Outbox(self, self.cfg.output_format != "files")
         prompts = []
-        for i, r in enumerate(batch.to_pylist() if isinstance(batch, pa.Table) else _dict_batch_rows(batch)):
+        for r in batch.to_pylist() if isinstance(batch, pa.Table) else _dict_batch_rows(batch):
             pid, prompt, seed = r["prompt_id"], r.get("prompt"), r.get("seed")
             problem = row_problem(prompt, seed, self.cfg.max_prompt_chars)
             if problem:
@@ -359,13 +359,16 @@ class _Outbox:
         return time.monotonic() - self.last >= YIELD_EVERY_S
 
     def _finalise(self, final: bool) -> None:
-        if self.anchors is None and (not self.measured or final):
-            self.anchors = [{"speedup": r["speedup"], "estimated_speedup": r["estimated_speedup"]}
-                            for r in self.waiting if r.get("speedup") and r.get("estimated_speedup")]
+        """Calibrate the waiting rows' estimates once the measured rows are in; they may leave."""
+        ok = [r for r in self.waiting if r["status"] == "ok"]
         if self.anchors is None:
-            return
-        rows = [r for r in self.waiting if r["status"] == "ok"]
-        calibrate_estimates([dict(a) for a in self.anchors] + rows)  # the copies only carry the ratio
+            if self.measured and not final:
+                return
+            self.anchors = [{"speedup": r["speedup"], "estimated_speedup": r["estimated_speedup"]}
+                            for r in ok if r.get("speedup") and r.get("estimated_speedup")]
+            calibrate_estimates(ok)  # the measured rows are among these
+        else:
+            calibrate_estimates([dict(a) for a in self.anchors] + ok)  # the copies carry the measured ratio
         in_shard = {id(s.row) for s in self.samples}
         self.ready += [r for r in self.waiting if id(r) not in in_shard]
         self.waiting = []

@@ -1,13 +1,19 @@
-"""Test-only fault injection for the actor pool: a GeneratorWorker subclass that SIGKILLs its
-own actor process once, right after storing the first image of a batch of several prompts
-(mid-batch), so Ray restarts the actor and retries the batch. Passed to the driver as
-`run_job(cfg, worker=kill_once_worker(marker))`; production code knows nothing of it."""
+"""Test-only GeneratorWorker subclasses for the actor pool, passed to the driver as
+`run_job(cfg, worker=...)`; production code knows nothing of them.
+
+- `kill_once_worker(marker)`: SIGKILLs its own actor process once, right after storing the
+  first image of a batch of several prompts (mid-batch), so Ray restarts the actor and
+  retries the batch.
+- `paced_worker(seconds)`: takes at least `seconds` per image, like a bigger model, so that
+  images finish one by one at a known pace whatever the machine's load.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import ray.cloudpickle
@@ -22,6 +28,18 @@ def kill_once_worker(marker: Path) -> type:
     """The worker class whose first actor to store an image mid-batch creates `marker` and
     kills itself (once per marker file)."""
     return type("KillOnceWorker", (_KillOnce,), {"marker": str(marker)})
+
+
+def paced_worker(seconds: float) -> type:
+    return type("PacedWorker", (_Paced,), {"seconds": seconds})
+
+
+class _Paced(GeneratorWorker):
+    seconds = 0.0
+
+    def _row(self, *args, **kwargs):
+        time.sleep(self.seconds)
+        return super()._row(*args, **kwargs)
 
 
 class _KillOnce(GeneratorWorker):
