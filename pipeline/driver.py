@@ -281,7 +281,8 @@ def _finish_outputs(run: _Run) -> None:
 def _summarize(run: _Run) -> tuple[dict[str, Any], int]:
     """This run's summary (summary.json) and the job's exit code."""
     cfg = run.cfg
-    summary = summarize(run.ledger.rows(), wall_time_s=run.exec_s, skipped=run.skipped, total_input=run.wanted)
+    summary = summarize(run.ledger.rows(), wall_time_s=run.exec_s, skipped=run.skipped, total_input=run.wanted,
+                        in_flight=cfg.decode.batch_size)
     summary["job_wall_time_s"] = time.perf_counter() - run.t_job
     mine = run.ledger.rows().select(RESULT_COLUMNS)
     everything = pa.concat_tables([run.earlier.select(RESULT_COLUMNS).cast(mine.schema), mine]) \
