@@ -32,12 +32,14 @@ from adt_core.config import AdaptiveConfig
 PROBE_EVERY, PROBE_MAX = 32, 512
 CLEAR_LOSS = 0.6  # a probe this far behind the winner (rate ratio) backs off four-fold
 EMA = 0.2
+SAMPLES = 4  # rounds of each kind measured (a plain mean) before the two are compared
 
 
 class BatchBudget:
-    def __init__(self, costs: CostTable, cfg: AdaptiveConfig) -> None:
-        self.costs, self.cfg = costs, cfg
+    def __init__(self, costs: CostTable, cfg: AdaptiveConfig, samples: int = SAMPLES) -> None:
+        self.costs, self.cfg, self.samples = costs, cfg, samples
         self.rate: dict[tuple[int, bool], float] = {}  # (slots, drafted) -> running mean tokens per ms
+        self.count: dict[tuple[int, bool], int] = {}  # rounds measured per key
         self.since_probe = 0
         self.probe_every = PROBE_EVERY  # doubles while probes confirm the winner, up to PROBE_MAX
 
@@ -51,10 +53,14 @@ class BatchBudget:
         passes through few buckets, not one exploration per image that leaves."""
         return a.bit_length()
 
+    def _known(self, key: tuple[int, bool]) -> bool:
+        return self.count.get(key, 0) >= self.samples
+
     def _winner(self, k: int) -> bool | None:
-        """Whether drafting measured faster in bucket k (None: not both measured yet)."""
-        spec, ar = self.rate.get((k, True)), self.rate.get((k, False))
-        return None if spec is None or ar is None else spec > ar
+        """Whether drafting measured faster in bucket k (None: not both measured enough yet)."""
+        if not (self._known((k, True)) and self._known((k, False))):
+            return None
+        return self.rate[(k, True)] > self.rate[(k, False)]
 
     def worth_drafting(self, a: int) -> bool:
         k = self.bucket(a)
@@ -62,7 +68,7 @@ class BatchBudget:
         if better is None:
             known = sorted({b for b, _ in self.rate if self._winner(b) is not None}, key=lambda b: abs(b - k))
             if (k, True) in self.rate or (k, False) in self.rate or not known:
-                return (k, True) not in self.rate  # try drafting first, then a plain step
+                return not self._known((k, True))  # measure drafting first, then plain steps
             return bool(self._winner(known[0]))  # a new bucket: the nearest measured one's choice
         if self.since_probe >= self.probe_every:
             return not better  # probe the losing choice
@@ -73,7 +79,9 @@ class BatchBudget:
         k = self.bucket(a)
         key, r = (k, drafted), tokens / max(ms, 1e-6)
         before = self._winner(k)
-        self.rate[key] = r if key not in self.rate else self.rate[key] + EMA * (r - self.rate[key])
+        n = self.count[key] = self.count.get(key, 0) + 1
+        step = 1.0 / n if n <= self.samples else EMA  # a plain mean of the first samples, then a moving one
+        self.rate[key] = r if n == 1 else self.rate[key] + step * (r - self.rate[key])
         if before is None:
             return
         if drafted != before:  # a probe of the losing choice

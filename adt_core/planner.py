@@ -157,7 +157,7 @@ class CostPlanner(ShapePlanner):
         """M: the width bucket with the best modelled rate (tokens per ms) for `a` slots."""
         hi = min(self.cfg.n_max, levels * width if levels > 1 else width)
         if self.curve is None:
-            return bucket(min(levels, hi))  # first drafted round: about a chain
+            return bucket(min(2 * levels, hi))  # first drafted round: about two nodes per level
         draft = levels * self._level_cost(a, width)
         best, best_rate = 1, -1.0
         for m in (w for w in WIDTHS if w <= max(hi, 1)):

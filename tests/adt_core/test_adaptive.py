@@ -99,7 +99,7 @@ def test_cost_planner_keeps_few_nodes_when_verification_is_expensive():
     steep = CostTable({1: 10.0, 8: 80.0, 16: 160.0, 32: 320.0, 64: 640.0})
     for costs, check in ((flat, lambda m: m == 64), (steep, lambda m: m <= 3)):
         p = _planner(costs)
-        assert p.nodes(1, 8, 8) == 8  # before any drafted round: about a chain of the planned depth
+        assert p.nodes(1, 8, 8) == 16  # before any drafted round: about two nodes per planned level
         p.curve, p.level_ms = curve, 1.0
         assert check(p.nodes(1, 8, 8))  # flat: verifying more is free, keep everything; steep: a few
     p = _planner(flat)
@@ -123,7 +123,7 @@ def test_cost_planner_depth_cap_follows_what_levels_pay():
 
 
 def test_batch_budget_drafts_only_while_it_measures_faster_and_probes():
-    b = BatchBudget(CostTable({1: 10.0, 4: 40.0, 64: 640.0}, draft={1: 5.0, 64: 5.0}), AdaptiveConfig())
+    b = BatchBudget(CostTable({1: 10.0, 4: 40.0, 64: 640.0}, draft={1: 5.0, 64: 5.0}), AdaptiveConfig(), samples=1)
     assert b.worth_drafting(4)  # no history: draft once
     b.observe_round(4, True, ms=50.0, tokens=6)  # 0.12 tokens/ms
     assert not b.worth_drafting(4)  # then try a plain step
@@ -140,6 +140,17 @@ def test_batch_budget_drafts_only_while_it_measures_faster_and_probes():
     b.observe_round(4, True, ms=5.0, tokens=6)  # drafting got much faster (an easy region)
     b.observe_round(4, True, ms=5.0, tokens=6)
     assert b.worth_drafting(4) and b.probe_every == PROBE_EVERY
+
+
+def test_batch_budget_measures_a_few_rounds_of_each_kind_before_choosing():
+    b = BatchBudget(CostTable({1: 10.0}), AdaptiveConfig(), samples=3)
+    seen = []
+    for _ in range(6):
+        d = b.worth_drafting(1)
+        seen.append(d)
+        b.observe_round(1, d, ms=10.0 if d else 20.0, tokens=1)  # one unlucky drafted round would not decide
+    assert seen == [True, True, True, False, False, False]
+    assert b.worth_drafting(1)  # drafting measured 2x faster
 
 
 def test_draft_level_cost_is_measured_once_per_generator_model():
