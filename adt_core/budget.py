@@ -74,6 +74,10 @@ class BatchBudget:
             return not better  # probe the losing choice
         return better
 
+    def probing(self, a: int) -> bool:
+        """True when the next round of `a` slots is due to probe the losing choice."""
+        return self._winner(self.bucket(a)) is not None and self.since_probe >= self.probe_every
+
     def observe_round(self, a: int, drafted: bool, ms: float, tokens: int) -> None:
         """A finished round with `a` slots: whether it drafted, its wall ms, tokens committed."""
         k = self.bucket(a)

@@ -16,7 +16,9 @@ reported (`RoundOutcome`, read back once per round), so planning never waits for
      expected tokens = the last drafted round's summed path confidences of each slot's m best
      candidates, calibrated by the tokens its kept nodes actually committed;
   3. a depth cap: the deepest level whose kept nodes' expected tokens pay the level's measured
-     cost at the AR token price (one level deeper is tried when every level paid).
+     cost at the AR token price (one level deeper is tried when every level paid);
+  4. a plan the model rates clearly below a plain step (VETO) is not run, except as the guard's
+     probe: a large batch on a CPU then costs what batched AR costs.
 
 Verify widths are padded to a few buckets (WIDTHS), so a compiled or captured step can serve them.
 """
@@ -32,6 +34,7 @@ from adt_core.config import AdaptiveConfig, DecodeConfig
 from adt_core.round_state import RoundOutcome, RoundPlan, Slots
 
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # drafted nodes per slot a verify may carry
+VETO = 0.8  # a plan the model rates below this fraction of a plain step's rate is not tried (but probed)
 
 
 def bucket(m: int) -> int:
@@ -145,7 +148,9 @@ class CostPlanner(ShapePlanner):
         if d.max(initial=0) <= 0:
             return None
         levels, width = int(d.max()), int(k[d > 0].max())
-        m = self.nodes(a, levels, width)
+        m, rate = self.nodes(a, levels, width)
+        if rate < VETO * a / self.costs.cost(self.capacity) and not self.guard.probing(a):
+            return None  # the model expects a clear loss: a plain step (the guard still probes now and then)
         return RoundPlan(levels, width, m, d, k, np.where(d > 0, m, 0))
 
     def _level_cost(self, a: int, width: int) -> float:
@@ -153,11 +158,12 @@ class CostPlanner(ShapePlanner):
             return self.level_ms
         return self.costs.draft_cost(self.capacity * width)
 
-    def nodes(self, a: int, levels: int, width: int) -> int:
-        """M: the width bucket with the best modelled rate (tokens per ms) for `a` slots."""
+    def nodes(self, a: int, levels: int, width: int) -> tuple[int, float]:
+        """M, the width bucket with the best modelled rate for `a` slots, and that rate (tokens
+        per ms; infinite before any drafted round: nothing known yet)."""
         hi = min(self.cfg.n_max, levels * width if levels > 1 else width)
         if self.curve is None:
-            return bucket(min(2 * levels, hi))  # first drafted round: about two nodes per level
+            return bucket(min(2 * levels, hi)), float("inf")  # first drafted round: about two nodes per level
         draft = levels * self._level_cost(a, width)
         best, best_rate = 1, -1.0
         for m in (w for w in WIDTHS if w <= max(hi, 1)):
@@ -165,7 +171,7 @@ class CostPlanner(ShapePlanner):
             rate = (a + expected) / (self.costs.cost(self.capacity * (1 + m)) + draft)
             if rate > best_rate:
                 best, best_rate = m, rate
-        return best
+        return best, best_rate
 
     def observe(self, plan: RoundPlan, outcome: RoundOutcome, slots: int, round_ms: float, draft_ms: float) -> None:
         accepted = float(outcome.accepted.sum())

@@ -99,12 +99,12 @@ def test_cost_planner_keeps_few_nodes_when_verification_is_expensive():
     steep = CostTable({1: 10.0, 8: 80.0, 16: 160.0, 32: 320.0, 64: 640.0})
     for costs, check in ((flat, lambda m: m == 64), (steep, lambda m: m <= 3)):
         p = _planner(costs)
-        assert p.nodes(1, 8, 8) == 16  # before any drafted round: about two nodes per planned level
+        assert p.nodes(1, 8, 8)[0] == 16  # before any drafted round: about two nodes per planned level
         p.curve, p.level_ms = curve, 1.0
-        assert check(p.nodes(1, 8, 8))  # flat: verifying more is free, keep everything; steep: a few
+        assert check(p.nodes(1, 8, 8)[0])  # flat: verifying more is free, keep everything; steep: a few
     p = _planner(flat)
     p.curve, p.level_ms = curve, 1.0
-    assert p.nodes(1, 2, 2) <= 4  # never more nodes than two levels of two children hold
+    assert p.nodes(1, 2, 2)[0] <= 4  # never more nodes than two levels of two children hold
 
 
 def test_cost_planner_depth_cap_follows_what_levels_pay():
