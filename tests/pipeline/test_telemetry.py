@@ -8,15 +8,14 @@ import torch
 
 from adt_core.results import GenerationResult, RoundTrace, StepStats
 from pipeline.ledger import latest_per_prompt
+from pipeline.summary import format_summary, summarize
 from pipeline.telemetry import (
     SCHEMA,
     RowContext,
     add_baseline,
     calibrate_estimates,
     failed_row,
-    format_summary,
     ok_row,
-    summarize,
     to_table,
     tokens_to_list,
 )
@@ -144,20 +143,20 @@ def test_rows_carry_caption_run_size_and_sampler():
 def test_summary_percentiles_and_steady_throughput():
     t0 = dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)
     rows = []
-    for i in range(10):  # actor a: first row at t0+10 s (start-up), then one per second
+    for i in range(20):  # actor a: first row at t0+10 s (start-up), then one per second
         r = ok_row(CTX, f"a{i}", i, "k", fake_result(total_ms=100.0 * (i + 1)))
         rows.append(r | {"actor_id": "a", "finished_at": t0 + dt.timedelta(seconds=10 + i)})
-    for i in range(5):  # actor b: up at t0+12 s
+    for i in range(10):  # actor b: up at t0+12 s
         r = ok_row(CTX, f"b{i}", i, "k", fake_result(total_ms=100.0))
         rows.append(r | {"actor_id": "b", "finished_at": t0 + dt.timedelta(seconds=12 + 2 * i)})
-    s = summarize(to_table(rows), wall_time_s=30.0)
+    s = summarize(to_table(rows), wall_time_s=60.0)  # one image in flight per actor
     g = s["generation_time_ms"]
-    assert g["p10"] < g["p50"] < g["p90"] and g["count"] == 15
+    assert g["p10"] < g["p50"] < g["p90"] and g["count"] == 30
     assert s["mean_acceptance_length"]["p50"] is not None
-    # after t0+12 s: a's rows at 13..19 (7) and b's at 14..20 (4) = 11 rows in 8 s
-    assert s["steady_images_per_second"] == pytest.approx(11 / 8)
-    assert s["images_per_second"] == pytest.approx(15 / 30)
-    assert "steady 1.375" in format_summary(s)
+    # after t0+12 s (both actors past their first image): a's rows at 13..29 (17) and b's at 14..30 (9)
+    assert s["steady_images_per_second"] == pytest.approx(26 / 18)
+    assert s["images_per_second"] == pytest.approx(30 / 60)
+    assert "steady    1.44 images/s" in format_summary(s)
 
 
 def test_estimates_are_calibrated_on_the_measured_rows_of_the_batch():
