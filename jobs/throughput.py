@@ -61,6 +61,20 @@ def flops_per_image(bundle: Bundle, cfg_rows: int) -> float:
     return cfg_rows * n * per_token
 
 
+def cell_images(batch: int, minimum: int) -> int:
+    """Images per cell: enough that the batch stays full and refills (4 x B, 2 x B at 64 and
+    more), and at least `minimum`."""
+    return max(minimum, 4 * batch if batch < 64 else 2 * batch)
+
+
+def level_ms(rounds) -> float:
+    """Draft milliseconds per level of the drafted rounds: each image's trace holds its share of
+    the round's draft time and its tree's depth, so the sums give round time / mean depth."""
+    drafted = [r for r in rounds if r.nodes]
+    levels = sum(r.depth / r.slots for r in drafted)
+    return sum(r.draft_ms for r in drafted) / levels if levels else 0.0
+
+
 def workload(prompts: list[str], seeds: list[int], count: int) -> tuple[list[str], list[int]]:
     ps = [prompts[i % len(prompts)] for i in range(count)]
     ss = [seeds[i % len(seeds)] + 1000 * (i // len(seeds)) for i in range(count)]
@@ -83,7 +97,8 @@ def run_cell(bundle: Bundle, spec: dict, temperature, batch: int, prompts, seeds
         "mean_acceptance_length": statistics.mean(s.mean_acceptance_length for s in st),
         "nodes_per_round": statistics.mean(r.nodes for r in rounds) if rounds else 0.0,
         "draft_rounds_share": (sum(1 for r in rounds if r.nodes) / len(rounds)) if rounds else 0.0,
-        "sampler": gen.sampler.kind, "tokens": [r.tokens.flatten().tolist() for r in res],
+        "draft_ms_per_level": level_ms(rounds),
+        "sampler": getattr(gen.sampler, "kind", gen.sampler), "tokens": [r.tokens.flatten().tolist() for r in res],
     }
 
 
@@ -103,7 +118,7 @@ def throughput(bundle: Bundle, args, prompts: list[str], seeds: list[int]) -> di
     for temp_s in args.temperatures.split(","):
         temp = None if temp_s.strip() == "default" else float(temp_s)
         for b in batches:
-            ps, ss = workload(prompts, seeds, max(args.min_images, b))
+            ps, ss = workload(prompts, seeds, cell_images(b, args.min_images))
             todo = [m for m in methods if f"{temp_s.strip()}|{b}|{m}" not in out["cells"]]
             runs: dict[str, list[dict]] = {m: [] for m in todo}
             for order in (todo, todo[::-1])[: args.passes]:  # alternate the order: load drifts hit both
@@ -133,7 +148,7 @@ def report(out: dict, methods, batches, temps) -> None:
         best_ar = max(cells[f"{t}|{b}|ar"]["images_per_s"] for b in batches)
         print(f"\ntemperature={t}")
         print(f"{'method':<8}{'batch':>6}{'images/s':>10}{'vs ar@batch':>12}{'vs best ar':>11}{'accept len':>11}"
-              f"{'nodes/rnd':>10}{'drafted':>8}  equals ar")
+              f"{'nodes/rnd':>10}{'drafted':>8}{'ms/level':>9}  equals ar")
         for b in batches:
             ar = cells[f"{t}|{b}|ar"]
             for m in methods:
@@ -144,7 +159,7 @@ def report(out: dict, methods, batches, temps) -> None:
                 c["equals_ar"] = (c["tokens"] == ar["tokens"]) if exact else None
                 print(f"{m:<8}{b:>6}{c['images_per_s']:>10.3f}{c['vs_ar_same_batch']:>11.2f}x{c['vs_best_ar']:>10.2f}x"
                       f"{c['mean_acceptance_length']:>11.2f}{c['nodes_per_round']:>10.1f}{c['draft_rounds_share']:>8.2f}"
-                      f"  {c['equals_ar'] if exact else '-'}")
+                      f"{c.get('draft_ms_per_level', 0.0):>9.2f}  {c['equals_ar'] if exact else '-'}")
 
 
 def chart(out: dict, methods, batches, png: str) -> None:
