@@ -442,11 +442,10 @@ def _run_on_ray(cfg: TrainDrafterConfig, out: Storage, bundle, say, t_job: float
                 torch.set_num_threads(cfg.eval.threads)
             say(f"evaluation: {', '.join(cfg.eval.methods)} at temperatures {cfg.eval.temperatures} on {len(prompts)} "
                 f"held-out prompt(s)")
+            show = lambda r: say(f"  {r['method']:7s} T={r['temperature']!s:8s} mean acceptance length "  # noqa: E731
+                                 f"{r['mean_acceptance_length']:.3f} ({r['images']} images, {r['seconds']:.0f} s)")
             evaluation = acceptance(bundle, drafter, prompts, seeds, cfg.eval.methods, cfg.eval.temperatures,
-                                    cfg.eval.batch_size, max_tokens=cfg.eval.max_tokens)
-            for r in evaluation:
-                say(f"  {r['method']:7s} T={r['temperature']!s:8s} mean acceptance length "
-                    f"{r['mean_acceptance_length']:.3f} ({r['images']} images)")
+                                    cfg.eval.batch_size, max_tokens=cfg.eval.max_tokens, on_record=show)
     last = state["metrics"][-1] if state["metrics"] else {}
     provenance = {
         "job": "jobs.train_drafter", "config": json.loads(cfg.to_json()), "family": family_of(bundle),

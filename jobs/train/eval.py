@@ -20,7 +20,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import pyarrow.parquet as pq
 import torch
@@ -40,8 +40,10 @@ def parse_temperature(raw: Temperature) -> Optional[float]:
 
 def acceptance(bundle, drafter: Drafter | None, prompts: Sequence[str], seeds: Sequence[int],
                methods: Sequence[str] = ("eagle2", "adt"), temperatures: Sequence[Temperature] = (0.0, "default"),
-               batch_size: int = 16, device: str = "cpu", max_tokens: Optional[int] = None) -> list[dict]:
-    """One record per (method, temperature): mean acceptance length over the prompts, and time."""
+               batch_size: int = 16, device: str = "cpu", max_tokens: Optional[int] = None,
+               on_record: Optional[Callable[[dict], None]] = None) -> list[dict]:
+    """One record per (method, temperature): mean acceptance length over the prompts, and time
+    (`on_record` sees each as it is done)."""
     if drafter is not None:
         bundle = dataclasses.replace(bundle, drafter=drafter.float().eval())
     out = []
@@ -57,6 +59,8 @@ def acceptance(bundle, drafter: Drafter | None, prompts: Sequence[str], seeds: S
                         "sampling": dataclasses.asdict(gen.sampling), "images": len(results),
                         "mean_acceptance_length": sum(lengths) / max(len(lengths), 1),
                         "seconds": time.perf_counter() - t0})
+            if on_record is not None:
+                on_record(out[-1])
     return out
 
 
@@ -98,11 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     bundle = load_bundle_spec(args.bundle)
     drafter = load_drafter_path(args.drafter) if args.drafter else None
     prompts, seeds = read_prompts(args.prompts, args.limit)
+    show = lambda r: print(f"{r['method']:7s} T={r['temperature']!s:8s} mean acceptance length "  # noqa: E731
+                           f"{r['mean_acceptance_length']:.3f} ({r['images']} images, {r['seconds']:.0f} s)", flush=True)
     records = acceptance(bundle, drafter, prompts, seeds, args.methods.split(","), args.temperatures.split(","),
-                         args.batch_size)
-    for r in records:
-        print(f"{r['method']:7s} T={r['temperature']!s:8s} mean acceptance length {r['mean_acceptance_length']:.3f} "
-              f"({r['images']} images, {r['seconds']:.0f} s)", flush=True)
+                         args.batch_size, on_record=show)
     if args.json:
         args.json.write_text(json.dumps(records, indent=2) + "\n")
     return 0
