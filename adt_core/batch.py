@@ -31,6 +31,8 @@ from adt_core.calibrate import CostTable, Timer
 from adt_core.config import DecodeConfig
 from adt_core.draft import BatchDrafter, DraftScorer, StaticLevels
 from adt_core.models.bundle import Bundle
+from adt_core.models.contract import Layout, PromptRows
+from adt_core.models.llamagen import caption_rows
 from adt_core.planner import Planner, bucket, planner_for
 from adt_core.results import StepStats
 from adt_core.round_log import RoundLog
@@ -56,6 +58,8 @@ class DecodeSetup:
     costs: CostTable | None  # the cost budget's measured table (adt + cost), else None
     relax: Relaxation | None  # LANTERN's relaxed acceptance (lossy), else None
     planners: dict  # capacity -> the last decoder's planner: what it learned carries over
+    prompter: object  # the family's Prompter (adt_core/models/contract.py): prompt rows, layout, vocabulary
+    max_prompt: int  # the longest prompt row a slot may hold (cache entries before image index 0)
 
 
 @dataclass
@@ -72,7 +76,16 @@ class BatchDecoder:
         self.s, self.capacity = setup, capacity
         b, c = setup.bundle, setup.config
         self.n, self.r = setup.n_tokens, setup.cfg_rows
-        self.base = b.target.config.cls_token_num  # sequence position of image index 0
+        self.layout: Layout = setup.prompter.layout
+        self.vocab = setup.prompter.vocab
+        # id of each code the models read (id == code needs no op)
+        self.ids = self.vocab.to_id if self.vocab.first_id else (lambda codes: codes)
+        self.base = setup.max_prompt  # the longest prompt row
+        span = int(self.layout.offset(self.n - 1)) + 1  # sequence entries of image indices 0 .. n - 1
+        # each cache row's prompt length = sequence position of its image index 0 (per row: a
+        # family's uncond row may be shorter than its cond row); set on admit
+        self.row_base = np.zeros(self.r * capacity, np.int64)
+        self.base_col = torch.zeros(self.r * capacity, 1, dtype=torch.long, device=setup.device)  # (R, 1)
         self.scale = setup.sampler.sampling.cfg_scale
         adt = c.method == "adt"
         self.grid = AdaptiveGrid(capacity, b.grid, c.adaptive) if adt else None
@@ -81,12 +94,12 @@ class BatchDecoder:
             self.planner.adopt(setup.planners[capacity])
         setup.planners[capacity] = self.planner
         widest = self._widest_tree()
-        self.cache = b.target.new_cache(self.r * capacity, self.base + self.n + widest + 1)
+        self.cache = b.target.new_cache(self.r * capacity, self.base + span + widest + 1)
         self.drafter = None
         if self.planner.drafts:
             fed = max(len(c.tree.static_paths or ()), (c.adaptive.d_max if adt else c.tree.depth) * self._width_cap())
             self.drafter = BatchDrafter(b.drafter, b.target.head, self.scale, capacity, self.r,
-                                        self.base + self.n + fed + 1, setup.scorer, self.seq_pos)
+                                        self.base + span + fed + 1, setup.scorer, self.seq_pos, self.ids)
         self.static = c.tree.static_paths if c.method == "static" else None
         self._static_levels: dict[int, StaticLevels] = {}
         self.slots = Slots.empty(capacity, self.n, setup.device)
@@ -109,8 +122,9 @@ class BatchDecoder:
         return bucket(c.adaptive.n_max) if c.method == "adt" else c.tree.budget
 
     def seq_pos(self, index: torch.Tensor) -> torch.Tensor:
-        """Sequence position of image index i (LlamaGen: after the caption rows)."""
-        return index + self.base
+        """Image indices (C, S) of each slot -> their sequence positions (R, S) in each cache row:
+        the row's prompt length plus the layout's offset of the index."""
+        return self.layout.offset(self.rows(index)) + self.base_col
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """(C, ...) -> (R, ...): each slot's value for its cond then uncond row."""
@@ -127,16 +141,28 @@ class BatchDecoder:
         return np.flatnonzero(self.slots.active).tolist()
 
     @torch.inference_mode()
-    def admit(self, items: list[tuple[int, str, int]], captions: torch.Tensor, cmask: torch.Tensor) -> list[Finished]:
-        """Prefill `items` (index, prompt, seed) with encoded captions (n, T, C), (n, T) into free
-        slots; returns those already finished (one-token images)."""
+    def admit(self, items: list[tuple[int, str, int]], rows: PromptRows | torch.Tensor,
+              cmask: torch.Tensor | None = None) -> list[Finished]:
+        """Prefill `items` (index, prompt, seed) into free slots from their PromptRows (cond rows,
+        then uncond rows with CFG; or LlamaGen's encoded captions (n, T, C) with their mask
+        (n, T)); returns those already finished (one-token images)."""
         s, setup, dev = self.slots, self.s, self.s.device
         t0 = setup.timer.now()
         n = len(items)
+        if not isinstance(rows, PromptRows):
+            rows = caption_rows(setup.bundle.target, rows, cmask, self.r == 2)
+        if rows.images != n or rows.rows != self.r * n:
+            raise ValueError(f"{rows.rows} prompt rows for {n} images with {self.r} rows each")
+        lengths = rows.lengths.cpu().numpy().astype(np.int64)
+        if int(lengths.max()) > self.base:
+            raise ValueError(f"a prompt row of {int(lengths.max())} entries; this decoder holds {self.base}")
         free = np.flatnonzero(~s.active)[:n]
         free_t = torch.from_numpy(free).to(dev)
-        tmp = setup.bundle.target.new_cache(self.r * n, self.base)
-        logits, hidden = prefill(setup.bundle, captions, cmask, tmp, self.r)  # (R_n, V), (R_n, T, dim)
+        tmp = setup.bundle.target.new_cache(self.r * n, rows.valid.shape[1])
+        logits, hidden = prefill_rows(setup.bundle.target, rows, tmp, lengths)  # (R_n, V), (R_n, L, dim)
+        cache_rows = np.concatenate([free + i * self.capacity for i in range(self.r)])
+        self.row_base[cache_rows] = lengths
+        self.base_col = torch.from_numpy(self.row_base[:, None].copy()).to(dev)
         seeds = torch.tensor([seed for _, _, seed in items], dtype=torch.long, device=dev)
         gens = [torch.Generator(device=dev).manual_seed(seed) if setup.sampler.kind == "rejection" else None
                 for _, _, seed in items]
@@ -151,7 +177,7 @@ class BatchDecoder:
         if self.grid is not None:
             self.grid.reset(mask)
         if self.drafter is not None:
-            self._drafter_admit(free, free_t, hidden, first)
+            self._drafter_admit(free, free_t, hidden, first, lengths)
         one = np.zeros(self.capacity, np.int64)
         one[free] = 1
         new = torch.zeros(self.capacity, 1, dtype=torch.long, device=dev)
@@ -160,20 +186,22 @@ class BatchDecoder:
         self.log.admit(free, (setup.timer.now() - t0) / n)
         return self._retire()
 
-    def _drafter_admit(self, free: np.ndarray, free_t: torch.Tensor, hidden: torch.Tensor, first: torch.Tensor) -> None:
-        """New images' first pair (h at the last caption position, token 0) into the drafter's
-        ring; LANTERN-style drafters also read the caption pairs now."""
+    def _drafter_admit(self, free: np.ndarray, free_t: torch.Tensor, hidden: torch.Tensor, first: torch.Tensor,
+                       lengths: np.ndarray) -> None:
+        """New images' first pair (h at each row's last prompt position, token 0) into the
+        drafter's ring; LANTERN-style drafters also read the caption pairs now."""
         mask = np.zeros(self.capacity, bool)
         mask[free] = True
         self.drafter.reset(mask)
         n, dev = len(free), self.s.device
         h = hidden.view(self.r, n, *hidden.shape[1:])  # (cfg, n, T, dim)
-        if self.s.bundle.drafter.config.caption_pairs:
+        if getattr(self.s.bundle.drafter.config, "caption_pairs", False):
             self.drafter.caption_pairs(free, h)
         last = torch.zeros(self.r * self.capacity, 1, h.shape[-1], device=dev, dtype=h.dtype)
         tok = torch.zeros(self.capacity, 1, dtype=torch.long, device=dev)
         rows = torch.cat([free_t + i * self.capacity for i in range(self.r)])
-        last[rows, 0] = h[:, :, -1].reshape(self.r * n, -1)
+        at = torch.from_numpy(lengths - 1).to(dev)  # (R_n,) each row's last prompt entry
+        last[rows, 0] = hidden[torch.arange(self.r * n, device=dev), at]
         tok[free_t, 0] = first
         counts = torch.zeros(self.capacity, dtype=torch.long, device=dev)
         counts[free_t] = 1
@@ -184,7 +212,7 @@ class BatchDecoder:
         done = np.flatnonzero(s.active & (s.host_count >= self.n))
         if done.size == 0:
             return []
-        grid = torch.zeros(done.size, self.s.bundle.target.config.num_image_tokens, dtype=torch.long)
+        grid = torch.zeros(done.size, self.layout.num_codes, dtype=torch.long)
         grid[:, : self.n] = s.tokens[torch.from_numpy(done).to(s.tokens.device), : self.n].cpu()
         out = []
         for j, b in enumerate(done):
@@ -221,11 +249,11 @@ class BatchDecoder:
         s, setup, dev = self.slots, self.s, self.s.device
         active = s.active.copy()
         position = s.host_count.copy()
-        pos = self.seq_pos(s.count - 1)[:, None]  # (C, 1)
+        pos = self.seq_pos((s.count - 1)[:, None])  # (R, 1)
         start = self.cache.host.copy()
         one = torch.ones(self.cache.rows, 1, 1, dtype=torch.bool, device=dev)
-        logits, hidden = setup.bundle.target(self.rows(pos), self.cache.attn_mask(one), self.cache,
-                                             tokens=self.rows(s.roots()[:, None]))
+        logits, hidden = setup.bundle.target(pos, self.cache.attn_mask(one), self.cache,
+                                             tokens=self.ids(self.rows(s.roots()[:, None])))
         new = setup.sampler.sample(cfg_mix(logits[:, 0], self.scale), s.seeds, s.count, s.gens)  # (C,)
         grow = active.astype(np.int64)
         self.cache.set_lengths(start + self.host_rows(grow))
@@ -245,9 +273,9 @@ class BatchDecoder:
         t1 = setup.timer.mark()
         tree = rerank_batch(pool, plan.nodes, torch.from_numpy(plan.budget).to(dev), s.roots(), plan.levels)
         start = self.cache.host.copy()
-        pos = self.seq_pos(s.count - 1)[:, None] + tree.depths  # (C, 1 + M)
-        logits, hidden = setup.bundle.target(self.rows(pos), self.cache.attn_mask(self.rows(tree.mask)), self.cache,
-                                             tokens=self.rows(tree.tokens))
+        pos = self.seq_pos((s.count - 1)[:, None] + tree.depths)  # (R, 1 + M)
+        logits, hidden = setup.bundle.target(pos, self.cache.attn_mask(self.rows(tree.mask)), self.cache,
+                                             tokens=self.ids(self.rows(tree.tokens)))
         mixed = cfg_mix(logits, self.scale)  # (C, 1 + M, V)
         active_t = torch.from_numpy(active).to(dev)
         ver = self._verify(tree, mixed, noise, plan.levels, active)
@@ -325,14 +353,27 @@ class BatchDecoder:
         return verify_stochastic(tree, mixed, self.s.sampler.sampling, gen, self.s.relax)
 
 
+def prefill_rows(target, rows: PromptRows, cache, lengths: np.ndarray | None = None):
+    """Run prompt rows (cond, then uncond with CFG) into `cache` (empty, rows.rows rows): each
+    row keeps its own length; returns logits (R, V) at each row's last prompt entry and hidden
+    (R, L, dim) over every entry."""
+    if lengths is None:
+        lengths = rows.lengths.cpu().numpy().astype(np.int64)
+    n, dev = rows.valid.shape[1], cache.valid.device
+    # entries past a row's length are padding the image tokens overwrite: valid for later queries
+    past = torch.arange(n, device=dev)[None] >= torch.from_numpy(lengths).to(dev)[:, None]
+    cache.valid[:, :n] = rows.valid.to(dev) | past
+    causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+    inputs = {"tokens": rows.tokens.to(dev)} if rows.tokens is not None else {"embeds": rows.embeds.to(dev)}
+    logits, hidden = target(rows.positions.to(dev), cache.attn_mask(causal), cache, **inputs)
+    cache.set_lengths(lengths)
+    if int(lengths.min()) == n:  # every row full (LlamaGen's caption rows): the last entry
+        return logits[:, -1], hidden
+    at = torch.from_numpy(lengths - 1).to(dev)
+    return logits[torch.arange(logits.shape[0], device=dev), at], hidden
+
+
 def prefill(bundle: Bundle, captions: torch.Tensor, cmask: torch.Tensor, cache, cfg_rows: int):
-    """Run the caption rows (cond, then uncond with CFG) into `cache`; returns logits (R, V) at
-    the last position and hidden (R, T, dim)."""
-    if cfg_rows == 2:
-        uncond = bundle.target.cls_embedding.uncond_embedding.to(captions.dtype)  # (T, C)
-        captions, cmask = torch.cat([captions, uncond.expand_as(captions)]), torch.cat([cmask, cmask])
-    t, dev = captions.shape[1], captions.device
-    cache.valid[:, :t] = cmask
-    causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-    logits, hidden = bundle.target(torch.arange(t, device=dev), cache.attn_mask(causal), cache, captions=captions)
-    return logits[:, -1], hidden
+    """LlamaGen's caption rows (cond, then uncond with CFG) into `cache`; returns logits (R, V)
+    at the last position and hidden (R, T, dim)."""
+    return prefill_rows(bundle.target, caption_rows(bundle.target, captions, cmask, cfg_rows == 2), cache)

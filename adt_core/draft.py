@@ -141,13 +141,17 @@ class StaticLevels:
 
 class BatchDrafter:
     def __init__(self, drafter: Drafter, head: Callable, cfg_scale: float, slots: int, cfg_rows: int,
-                 max_len: int, scorer: DraftScorer, seq_pos: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                 max_len: int, scorer: DraftScorer, seq_pos: Callable[[torch.Tensor], torch.Tensor],
+                 ids: Callable[[torch.Tensor], torch.Tensor] = lambda codes: codes) -> None:
+        """seq_pos: image indices (C, S) -> sequence positions (R, S) per cache row; ids: codes ->
+        the ids the drafter embeds (the family's ImageVocab.to_id)."""
         self.drafter, self.head, self.cfg_scale, self.scorer = drafter, head, cfg_scale, scorer
-        self.slots, self.cfg_rows, self.seq_pos = slots, cfg_rows, seq_pos
+        self.slots, self.cfg_rows, self.seq_pos, self.ids = slots, cfg_rows, seq_pos, ids
         self.cache: KVCache = drafter.new_cache(slots * cfg_rows, max_len)
         w = drafter.fc.weight
-        self.ring = PairRing(slots, cfg_rows, drafter.config.dim, w.device, w.dtype)
-        self.max_pos = len(drafter.rope) - 1
+        self.ring = PairRing(slots, cfg_rows, w.shape[0], w.device, w.dtype)
+        rope = getattr(drafter, "rope", None)  # a position table (LlamaGen's 2-D RoPE) bounds positions
+        self.max_pos = len(rope) - 1 if rope is not None else None
         self.forwards = 0  # drafter forward passes so far
 
     @property
@@ -159,7 +163,9 @@ class BatchDrafter:
         return np.concatenate([x] * self.cfg_rows)
 
     def _pos(self, index: torch.Tensor) -> torch.Tensor:
-        return self.seq_pos(index).clamp(max=self.max_pos)
+        """Image indices (C, S) -> drafter positions (R, S)."""
+        pos = self.seq_pos(index)
+        return pos if self.max_pos is None else pos.clamp(max=self.max_pos)
 
     # ---- slots --------------------------------------------------------------------------
     def reset(self, slots: np.ndarray) -> None:
@@ -199,7 +205,6 @@ class BatchDrafter:
         top = int(start.max())
         committed = (torch.arange(top, device=dev) < torch.from_numpy(start).to(dev)[:, None])[:, None, None]
         self.cache.set_lengths(np.full_like(start, top))
-        pos = self.ring.rows(self.seq_pos(slots.count))[:, None]  # (R, 1): position of the root's children
         fmask = torch.arange(plan.width, device=dev) < widths[:, None]  # (C, K): a slot expands its own k best
         row = lambda lv: None if noise is None else noise[:, lv : lv + 1]  # noqa: E731  (C, 1, V)
         sel, score = self._score(root_feat[:, None], row(0))  # (C, 1, V)
@@ -217,8 +222,8 @@ class BatchDrafter:
             anc = _fed_ancestors(anc, parent_slot)  # (C, F, fed so far)
             f = fi.shape[1]
             mask = torch.cat([committed.expand(-1, -1, f, -1), self.ring.rows(anc)[:, None]], -1)  # (R, 1, F, keys)
-            lv_pos = (pos + (d - 2)).clamp(max=self.max_pos)
-            feats = self.drafter(self.ring.rows(block.tokens.gather(1, fi)), pf, lv_pos, mask, self.cache)
+            lv_pos = self._pos(slots.count[:, None] + (d - 2))  # (R, 1): image index of the fed nodes
+            feats = self.drafter(self.ids(self.ring.rows(block.tokens.gather(1, fi))), pf, lv_pos, mask, self.cache)
             self.forwards += 1
             sel, score = self._score(feats, row(d - 1))  # (C, F, V)
             offset = sum(b.tokens.shape[1] for b in pool[:-1])
@@ -240,10 +245,10 @@ class BatchDrafter:
         width = max(int(n.max()), 1)
         lo_t, n_t = torch.from_numpy(lo).to(dev), torch.from_numpy(n).to(dev)
         hid, tok = self.ring.gather(lo_t, n_t, width)  # (R, P, dim), (C, P)
-        pos = self._pos(lo_t[:, None] + torch.arange(width, device=dev))  # (C, P)
+        pos = self._pos(lo_t[:, None] + torch.arange(width, device=dev))  # (R, P)
         before = self.cache.host.copy()
         causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
-        feats = self.drafter(self.ring.rows(tok), hid, self.ring.rows(pos), self.cache.attn_mask(causal), self.cache)
+        feats = self.drafter(self.ids(self.ring.rows(tok)), hid, pos, self.cache.attn_mask(causal), self.cache)
         self.forwards += 1
         self.cache.set_lengths(before + self._host(n))
         self.ring.fed = np.where(slots.active, slots.host_count, self.ring.fed)

@@ -1,9 +1,12 @@
 """Generator: the one entry point of decoding (vanilla AR and speculative trees), batched.
 
-Sequence layout per image: T caption positions, then image tokens; image token i sits at
-sequence position T + i. The target's output at position T + i - 1 predicts token i (the
-last caption position predicts token 0). With CFG every image has two rows, cond then uncond
-(for a batch: all cond rows, then all uncond rows), sharing one caption mask.
+The engine speaks the model contract (adt_core/models/contract.py): the bundle's family gives
+prompt rows (cond, then uncond with CFG; each row its own length), a layout and an image
+vocabulary. A row r holds its prompt entries 0 .. base[r] - 1, then image index i at sequence
+position base[r] + layout.offset(i); the target's output one position earlier predicts it (the
+last prompt entry predicts index 0). The engine works in image-index and code space: the
+models read ids (`ImageVocab.to_id`) and give logits over codes. LlamaGen (models/llamagen.py):
+T caption rows for cond and uncond alike, index i at T + i, id == code.
 
 A Generator fixes, once, everything a decode needs (`DecodeSetup`: the sampler strategy, the
 drafter's scorer, the cost table of the cost budget, LANTERN's relaxation) and streams prompts
@@ -33,6 +36,7 @@ from adt_core.verify import Relaxation
 
 # measured target costs: model -> {(device, dtype, rows): table}; entries die with the model
 _COSTS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, CostTable]]" = weakref.WeakKeyDictionary()
+MAX_PROMPT = 512  # prompt entries per row a decoder holds when the family gives no bound
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -43,22 +47,18 @@ class Generator:
         self.dtype = DTYPES[config.dtype]
         self.sampling: SamplingConfig = config.sampling(bundle.sampling)
         self.cfg_rows = 2 if self.sampling.use_cfg else 1
-        tc = bundle.target.config
-        enc = bundle.text_encoder
-        if (enc.max_tokens, enc.dim) != (tc.cls_token_num, tc.caption_dim):
-            raise ValueError(
-                f"text encoder gives {enc.max_tokens} x {enc.dim} caption states, "
-                f"target expects {tc.cls_token_num} x {tc.caption_dim}"
-            )
+        self.prompter = bundle.make_prompter()  # LlamaGen's checks its text encoder against the target
+        self.layout, self.vocab = self.prompter.layout, self.prompter.vocab
         if config.method != "ar" and bundle.drafter is None:
             raise ValueError(f"method {config.method!r} needs a drafter; bundle {bundle.name!r} has none")
-        self.num_tokens = tc.num_image_tokens if config.max_tokens is None else min(config.max_tokens, tc.num_image_tokens)
+        n = self.layout.num_codes
+        self.num_tokens = n if config.max_tokens is None else min(config.max_tokens, n)
         self.timer = Timer(self.device)
         self._relax: Relaxation | None = None
         self._costs: CostTable | None = None
         self._planners: dict = {}  # what each capacity's round planner learned, kept across calls
         # what draws the tokens, picked once: argmax (greedy), fixed Gumbel noise (coupled) or generators
-        self.sampler = Sampler.pick(self.sampling, config.sampler, tc.vocab_size)
+        self.sampler = Sampler.pick(self.sampling, config.sampler, self.vocab.num_codes)
         coupled = self.sampling if self.sampler.kind == "coupled" else None
         self.scorer = DraftScorer(coupled, perturbed=config.draft_score == "perturbed")
 
@@ -75,8 +75,8 @@ class Generator:
     @torch.inference_mode()
     def stream(self, prompts: list[str], seeds: list[int]) -> Iterator[tuple[int, GenerationResult | PromptFailure]]:
         """Yield (input index, result) as images finish, up to `batch_size` in flight; a free
-        slot takes the next prompt at once. A prompt whose caption cannot be encoded yields a
-        PromptFailure and the others go on."""
+        slot takes the next prompt at once. A prompt whose rows cannot be made (encoded,
+        tokenized) yields a PromptFailure and the others go on."""
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         if not prompts:
@@ -87,10 +87,10 @@ class Generator:
             free = len(dec.free())
             if queue and free:
                 items = [queue.popleft() for _ in range(min(free, len(queue)))]
-                items, captions, cmask, failed = self._encode(items)
+                items, rows, failed = self._encode(items)
                 yield from failed
                 if items:
-                    yield from self._finish(dec.admit(items, captions, cmask))
+                    yield from self._finish(dec.admit(items, rows))
                 continue
             yield from self._finish(dec.step())
 
@@ -99,34 +99,40 @@ class Generator:
         self._place_models()
         costs = self.cost_table() if self.config.method == "adt" and self.config.adaptive.budget == "cost" else None
         setup = DecodeSetup(self.bundle, self.config, self.sampler, self.scorer, self.cfg_rows, self.num_tokens,
-                            self.device, self.timer, costs, self.relaxation(), self._planners)
+                            self.device, self.timer, costs, self.relaxation(), self._planners, self.prompter,
+                            self._max_prompt())
         return BatchDecoder(setup, capacity)
 
     # ---- shared steps -------------------------------------------------------------------
+    def _max_prompt(self) -> int:
+        """The longest prompt row a decoder must hold: the prompter's `max_prompt` (LlamaGen:
+        its T caption rows), else MAX_PROMPT."""
+        own = getattr(self.prompter, "max_prompt", None)
+        return int(own if own is not None else MAX_PROMPT)
+
     def _encode(self, items):
-        """Caption states for (index, prompt, seed) items; a prompt that fails alone is dropped
-        and yielded as a failure."""
-        enc = self.bundle.text_encoder
+        """Prompt rows for (index, prompt, seed) items; a prompt that fails alone is dropped and
+        yielded as a failure."""
+        cfg = self.cfg_rows == 2
         try:
-            captions, cmask = enc.encode([p for _, p, _ in items])
-            return items, captions.to(self.device), cmask.to(self.device), []
+            return items, self.prompter.rows([p for _, p, _ in items], cfg), []
         except Exception:  # noqa: BLE001 - find the prompt(s) that fail, keep the others
-            ok, caps, masks, failed = [], [], [], []
+            ok, failed = [], []
             for it in items:
                 try:
-                    c, m = enc.encode([it[1]])
-                    ok.append(it), caps.append(c), masks.append(m)
+                    self.prompter.rows([it[1]], cfg)
+                    ok.append(it)
                 except Exception as err:  # noqa: BLE001
                     failed.append((it[0], PromptFailure(it[1], it[2], err)))
             if not ok:
-                return [], None, None, failed
-            return ok, torch.cat(caps).to(self.device), torch.cat(masks).to(self.device), failed
+                return [], None, failed
+            return ok, self.prompter.rows([p for _, p, _ in ok], cfg), failed
 
     def _finish(self, done) -> Iterator[tuple[int, GenerationResult]]:
         """VQ-decode finished images together and hand them out."""
         if not done:
             return
-        h, w = self.bundle.grid
+        h, w = self.layout.grid_h, self.layout.grid_w
         grid = torch.stack([d.tokens for d in done]).view(-1, h, w)
         images = self.bundle.vq.decode(grid.to(self.device)).cpu().numpy()  # (n, H*f, W*f, 3) uint8
         costs = self.cost_table() if self.config.method != "ar" else None

@@ -178,7 +178,7 @@ class KVCache:
         self.set_lengths(np.asarray(start) + np.asarray(counts))
 
     def load_rows(self, rows: torch.Tensor, other: "KVCache") -> None:
-        """Copy `other`'s rows (uniform, e.g. a prefill) into these rows; their lengths become its length."""
+        """Copy `other`'s rows (e.g. a prefill) into these rows; each takes its row's length there."""
         n = other.length
         rows = rows.to(self.k.device)
         self.k[:, rows, :, :n] = other.k[:, :, :, :n]
@@ -186,5 +186,5 @@ class KVCache:
         self.valid[rows] = True
         self.valid[rows, :n] = other.valid[:, :n]
         host = self.host.copy()
-        host[rows.cpu().numpy()] = n
+        host[rows.cpu().numpy()] = other.host
         self.set_lengths(host)

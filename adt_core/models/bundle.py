@@ -42,6 +42,17 @@ class Bundle:
     vq: VQModel
     grid: tuple[int, int]  # (H, W) image tokens
     sampling: SamplingConfig  # defaults for DecodeConfig fields left None
+    family: str = "llamagen"  # the model family (adt_core/models/contract.py)
+    prompter: object | None = None  # the family's Prompter; None: LlamaGen's, from text_encoder + target
+
+    def make_prompter(self):
+        """The family's Prompter (prompt rows, layout, image vocabulary). LlamaGen's is built from
+        the bundle's text encoder, target and grid, and checks that the two agree."""
+        if self.prompter is not None:
+            return self.prompter
+        from adt_core.models.llamagen import LlamaGenPrompter
+
+        return LlamaGenPrompter(self.text_encoder, self.target, self.grid)
 
     def component_bytes(self) -> dict[str, int]:
         """Bytes of parameters and buffers per component, at their current dtype."""

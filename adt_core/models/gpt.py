@@ -155,6 +155,13 @@ class LlamaGenGPT(nn.Module):
         self.rope = RopeTable(cfg.grid_h, cfg.grid_w, cfg.cls_token_num, cfg.head_dim, cfg.rope_base)
 
     @property
+    def vocab(self):
+        """The model contract's image vocabulary: every id is a code (id == code)."""
+        from adt_core.models.llamagen import llamagen_vocab
+
+        return llamagen_vocab(self.config.vocab_size)
+
+    @property
     def max_seq_len(self) -> int:
         return self.config.cls_token_num + self.config.num_image_tokens
 
@@ -183,12 +190,14 @@ class LlamaGenGPT(nn.Module):
         cache: KVCache | None = None,
         tokens: torch.Tensor | None = None,
         captions: torch.Tensor | None = None,
+        embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: (B, S) or (S,) sequence positions; mask: (B, 1, S, K) bool (K = cached + S).
+        `embeds` is the model contract's name for the caption states (the prompt rows' inputs).
 
         Returns logits (B, S, vocab) in fp32 and post-norm hidden states (B, S, dim).
         """
-        x = self.embed(tokens, captions)  # (B, S, dim)
+        x = self.embed(tokens, captions if embeds is None else embeds)  # (B, S, dim)
         if positions.dim() == 1:
             positions = positions[None].expand(x.shape[0], -1)
         rope = self.rope(positions)  # (B, S, hd/2, 2)
