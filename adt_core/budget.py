@@ -32,7 +32,7 @@ from adt_core.config import AdaptiveConfig
 PROBE_EVERY, PROBE_MAX = 32, 512
 CLEAR_LOSS = 0.6  # a probe this far behind the winner (rate ratio) backs off four-fold
 EMA = 0.2
-SAMPLES = 4  # rounds of each kind measured (a plain mean) before the two are compared
+SAMPLES = 3  # rounds of each kind measured (a plain mean) before the two are compared
 
 
 class BatchBudget:

@@ -34,6 +34,7 @@ from adt_core.config import AdaptiveConfig, DecodeConfig
 from adt_core.round_state import RoundOutcome, RoundPlan, Slots
 
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # drafted nodes per slot a verify may carry
+PRIOR = 0.7  # before any drafted round: the assumed acceptance of a draft level, per level
 VETO = 0.8  # a plan the model rates below this fraction of a plain step's rate is not tried (but probed)
 
 
@@ -124,7 +125,7 @@ class CostPlanner(ShapePlanner):
         self.cal = 1.0  # tokens committed per unit of summed kept-node confidence
         self.curve: np.ndarray | None = None  # (n_max + 1,) expected accepted tokens per slot keeping m nodes
         self.level_ms: float | None = None  # measured draft ms per level
-        self.depth_cap = cfg.d_max
+        self.depth_cap = self._prior_depth(cfg.d_max, cfg.k0)
         self.seen: set[bool] = set()  # kinds of round seen once (the first of each pays one-off costs)
 
     def adopt(self, earlier: "CostPlanner") -> None:
@@ -153,6 +154,18 @@ class CostPlanner(ShapePlanner):
             return None  # the model expects a clear loss: a plain step (the guard still probes now and then)
         return RoundPlan(levels, width, m, d, k, np.where(d > 0, m, 0))
 
+    def _prior_rate(self, levels: int, nodes: int, width: int) -> float:
+        """Modelled tokens per ms of a full batch before any drafted round: a chain-like tree whose
+        j-th level is accepted with probability PRIOR ** j."""
+        c = self.capacity
+        expected = c * sum(PRIOR ** j for j in range(1, min(levels, nodes) + 1))
+        return (c + expected) / (self.costs.cost(c * (1 + nodes)) + levels * self._level_cost(c, width))
+
+    def _prior_depth(self, d_max: int, width: int) -> int:
+        """The first rounds' depth cap: the best depth under the prior on this device (a
+        flat verify: deep; a steep one, e.g. a large batch on a CPU: one or two levels)."""
+        return max(range(1, d_max + 1), key=lambda d: self._prior_rate(d, bucket(d), width))
+
     def _level_cost(self, a: int, width: int) -> float:
         if self.level_ms is not None:
             return self.level_ms
@@ -162,8 +175,9 @@ class CostPlanner(ShapePlanner):
         """M, the width bucket with the best modelled rate for `a` slots, and that rate (tokens
         per ms; infinite before any drafted round: nothing known yet)."""
         hi = min(self.cfg.n_max, levels * width if levels > 1 else width)
-        if self.curve is None:
-            return bucket(min(2 * levels, hi)), float("inf")  # first drafted round: about two nodes per level
+        if self.curve is None:  # first drafted rounds: the prior's best width for this depth
+            return max((w for w in WIDTHS if w <= max(hi, 1)), key=lambda m: self._prior_rate(levels, m, width)), \
+                float("inf")
         draft = levels * self._level_cost(a, width)
         best, best_rate = 1, -1.0
         for m in (w for w in WIDTHS if w <= max(hi, 1)):
