@@ -61,6 +61,8 @@ class RowSink:
 
     def _put(self, item: object, check: bool = True) -> None:
         while True:
+            if self.error is None and not self.thread.is_alive():
+                self.error = RuntimeError("the row sink's thread stopped")  # never wait on a dead consumer
             if self.error is not None:
                 if check:
                     raise self.error
@@ -73,6 +75,12 @@ class RowSink:
 
     # ---- the sink's thread ----------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            self.error = e
+
+    def _loop(self) -> None:
         pending: list[pa.Table] = []
         last_write = float("-inf")
         stop = False
