@@ -25,6 +25,8 @@ Verify widths are padded to a few buckets (WIDTHS), so a compiled or captured st
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from adt_core.adaptive import AdaptiveGrid, shape_budget
@@ -118,9 +120,14 @@ class ShapePlanner(Planner):
 class CostPlanner(ShapePlanner):
     """ADT-Tree sized by this device's measured costs (budget "cost")."""
 
-    def __init__(self, n_tokens: int, cfg: AdaptiveConfig, grid: AdaptiveGrid, costs: CostTable, capacity: int) -> None:
+    def __init__(self, n_tokens: int, cfg: AdaptiveConfig, grid: AdaptiveGrid, costs: CostTable, capacity: int,
+                 cpu: bool = False) -> None:
         super().__init__(n_tokens, cfg, grid)
         self.costs, self.capacity = costs, capacity
+        # on a CPU the rounds are compared by this process's CPU time: on a shared machine wall time
+        # swings with other work, CPU time is what the round itself cost (a GPU: the synced wall time)
+        self.cpu = cpu
+        self._c0 = 0.0
         self.guard = BatchBudget(costs, cfg)
         self.cal = 1.0  # tokens committed per unit of summed kept-node confidence
         self.curve: np.ndarray | None = None  # (n_max + 1,) expected accepted tokens per slot keeping m nodes
@@ -140,7 +147,12 @@ class CostPlanner(ShapePlanner):
         self.seen.add(drafted)
         return False
 
+    def _cost_ms(self, round_ms: float) -> float:
+        """What the round just ended cost: CPU ms since `plan` on a CPU, else the round's wall ms."""
+        return (time.process_time() * 1000.0 - self._c0) if self.cpu else round_ms
+
     def plan(self, slots: Slots) -> RoundPlan | None:
+        self._c0 = time.process_time() * 1000.0
         a = int(slots.active.sum())
         if a == 0 or not self.guard.worth_drafting(a):
             return None
@@ -189,9 +201,11 @@ class CostPlanner(ShapePlanner):
 
     def observe(self, plan: RoundPlan, outcome: RoundOutcome, slots: int, round_ms: float, draft_ms: float) -> None:
         accepted = float(outcome.accepted.sum())
+        cost = self._cost_ms(round_ms)
         if not self._warm(True):
             return
-        self.guard.observe_round(slots, True, round_ms, slots + int(accepted))
+        draft_ms *= cost / max(round_ms, 1e-6)  # the draft share of the round, on the same clock
+        self.guard.observe_round(slots, True, cost, slots + int(accepted))
         predicted = float(outcome.level_conf[1:].sum())
         if predicted > 0:
             self.cal += EMA * (accepted / predicted - self.cal)
@@ -204,8 +218,9 @@ class CostPlanner(ShapePlanner):
         self.depth_cap = min(plan.levels + 1, self.cfg.d_max) if fail.size == 0 else max(1, int(fail[0]))
 
     def observe_plain(self, slots: int, round_ms: float) -> None:
+        cost = self._cost_ms(round_ms)
         if self._warm(False):
-            self.guard.observe_round(slots, False, round_ms, slots)
+            self.guard.observe_round(slots, False, cost, slots)
 
 
 def planner_for(config: DecodeConfig, n_tokens: int, grid: AdaptiveGrid | None, costs: CostTable | None,
@@ -218,5 +233,5 @@ def planner_for(config: DecodeConfig, n_tokens: int, grid: AdaptiveGrid | None, 
     if config.method == "static":
         return StaticPlanner(n_tokens, config)
     if config.adaptive.budget == "cost":
-        return CostPlanner(n_tokens, config.adaptive, grid, costs, capacity)
+        return CostPlanner(n_tokens, config.adaptive, grid, costs, capacity, cpu=config.device == "cpu")
     return ShapePlanner(n_tokens, config.adaptive, grid)
