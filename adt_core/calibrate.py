@@ -124,10 +124,13 @@ def measure_target_cost(
 ) -> CostTable:
     """Time of a target forward carrying each total in `sizes`, split over up to `slots`
     slots (rows: 2 per slot with classifier-free guidance, else 1) on a cached prefix of
-    `prefix_len` (default: captions plus half the image, a typical mid-image state)."""
+    `prefix_len` (default, LlamaGen: captions plus half the image, a typical mid-image state;
+    other families pass it). Any family's target: ids up to its vocabulary size."""
     cfg = target.config
-    dev = target.output.weight.device
+    dev = next(target.parameters()).device
     prefix = prefix_len if prefix_len is not None else cfg.cls_token_num + cfg.num_image_tokens // 2
+    vocab_size = target.vocab.vocab_size
+    max_pos = len(target.rope) - 1 if hasattr(target, "rope") else None
     timer = Timer(dev)
     causal = lambda n: torch.ones(n, n, dtype=torch.bool, device=dev).tril()  # noqa: E731
     out: dict[int, float] = {}
@@ -135,9 +138,10 @@ def measure_target_cost(
         b, s = _split(total, slots)
         r = rows * b
         cache = target.new_cache(r, prefix + s)
-        toks = torch.randint(0, cfg.vocab_size, (r, prefix + s), device=dev)
+        toks = torch.randint(0, vocab_size, (r, prefix + s), device=dev)
         target(torch.arange(prefix, device=dev), cache.attn_mask(causal(prefix)), cache, tokens=toks[:, :prefix])
-        pos = (prefix + torch.arange(s, device=dev)).clamp(max=len(target.rope) - 1)
+        pos = prefix + torch.arange(s, device=dev)
+        pos = pos if max_pos is None else pos.clamp(max=max_pos)
 
         def step():
             target(pos, cache.attn_mask(causal(s)), cache, tokens=toks[:, prefix:])
@@ -155,16 +159,17 @@ def measure_draft_cost(drafter, head, cfg_scale: float, rows: int, sizes: tuple[
     target's head, CFG mixing and the top-k of every node, as `TreeProposer` runs it."""
     from adt_core.sampling import cfg_mix
 
-    cfg, w = drafter.config, drafter.fc.weight
+    w = drafter.fc.weight
+    dim, vocab_size = w.shape[0], drafter.embed_tokens.num_embeddings
     timer = Timer(w.device)
-    prefix = max(1, min(prefix_len, len(drafter.rope) - 2))
+    prefix = max(1, min(prefix_len, len(drafter.rope) - 2)) if hasattr(drafter, "rope") else prefix_len
     out: dict[int, float] = {}
     for total in sizes:
         b, f = _split(total, slots)
         r = rows * b
         cache = drafter.new_cache(r, prefix + f)
-        hid = torch.randn(r, prefix + f, cfg.dim, device=w.device, dtype=w.dtype)
-        tok = torch.randint(0, cfg.vocab_size, (r, prefix + f), device=w.device)
+        hid = torch.randn(r, prefix + f, dim, device=w.device, dtype=w.dtype)
+        tok = torch.randint(0, vocab_size, (r, prefix + f), device=w.device)
         causal = torch.ones(prefix, prefix, dtype=torch.bool, device=w.device).tril()
         drafter(tok[:, :prefix], hid[:, :prefix], torch.arange(prefix, device=w.device), cache.attn_mask(causal), cache)
         pos = torch.full((f,), prefix, dtype=torch.long, device=w.device)

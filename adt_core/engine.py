@@ -160,8 +160,10 @@ class Generator:
         if key not in per_model:
             self._place_models()
             sizes = batch_sizes(self.config.batch_size)
+            # a typical mid-image state: LlamaGen's default, else a prompt plus half the image
+            prefix = None if self.bundle.family == "llamagen" else self._max_prompt() // 4 + self.layout.length // 2
             table = measure_target_cost(self.bundle.target, rows=self.cfg_rows, sizes=sizes, repeats=3, warmup=1,
-                                        slots=self.config.batch_size)
+                                        slots=self.config.batch_size, prefix_len=prefix)
             if self.bundle.drafter is not None:
                 draft = measure_draft_cost(self.bundle.drafter, self.bundle.target.head, self.sampling.cfg_scale,
                                            self.cfg_rows, sizes, slots=self.config.batch_size, repeats=3)
