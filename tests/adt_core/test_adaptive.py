@@ -188,8 +188,10 @@ def test_lantern_delta_zero_is_lossless_verification():
     bundle = random_bundle(seed=8, vocab=16, grid=(4, 4))
     prompts = ["x y", "z"]
     for temp in (0.0, 1.0):
-        base = DecodeConfig(method="adt", temperature=temp, top_k=8, cfg_scale=2.0)
-        lan = DecodeConfig(method="adt", temperature=temp, top_k=8, cfg_scale=2.0, lantern=LanternConfig(k=6, delta=0.0))
+        shape = AdaptiveConfig(budget="shape")  # the same trees every run (the cost budget's follow the clock)
+        base = DecodeConfig(method="adt", temperature=temp, top_k=8, cfg_scale=2.0, adaptive=shape)
+        lan = DecodeConfig(method="adt", temperature=temp, top_k=8, cfg_scale=2.0, adaptive=shape,
+                           lantern=LanternConfig(k=6, delta=0.0))
         a = Generator(bundle, base).generate(prompts, [3, 4])
         b = Generator(bundle, lan).generate(prompts, [3, 4])
         for x, y in zip(a, b):
