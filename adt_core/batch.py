@@ -187,7 +187,7 @@ class BatchDecoder:
         if self.grid is not None:
             self.grid.reset(mask)
         if self.drafter is not None:
-            self._drafter_admit(free, free_t, hidden, first, lengths)
+            self._drafter_admit(free, free_t, hidden, first, lengths, rows)
         one = np.zeros(self.capacity, np.int64)
         one[free] = 1
         new = torch.zeros(self.capacity, 1, dtype=torch.long, device=dev)
@@ -197,7 +197,7 @@ class BatchDecoder:
         return self._retire()
 
     def _drafter_admit(self, free: np.ndarray, free_t: torch.Tensor, hidden: torch.Tensor, first: torch.Tensor,
-                       lengths: np.ndarray) -> None:
+                       lengths: np.ndarray, rows: PromptRows) -> None:
         """New images' first pair (h at each row's last prompt position, token 0) into the
         drafter's ring; LANTERN-style drafters also read the caption pairs now."""
         mask = np.zeros(self.capacity, bool)
@@ -207,6 +207,8 @@ class BatchDecoder:
         h = hidden.view(self.r, n, *hidden.shape[1:])  # (cfg, n, T, dim)
         if getattr(self.s.bundle.drafter.config, "caption_pairs", False):
             self.drafter.caption_pairs(free, h)
+        elif rows.tokens is not None:  # a token family's drafter reads the prompt's pairs, as EAGLE's does
+            self.drafter.prompt_pairs(free, rows.tokens.to(dev), hidden, rows.positions.to(dev), lengths)
         last = torch.zeros(self.r * self.capacity, 1, h.shape[-1], device=dev, dtype=h.dtype)
         tok = torch.zeros(self.capacity, 1, dtype=torch.long, device=dev)
         rows = torch.cat([free_t + i * self.capacity for i in range(self.r)])

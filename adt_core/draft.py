@@ -189,6 +189,25 @@ class BatchDrafter:
         rows = torch.cat([torch.as_tensor(slots, device=dev) + c * self.slots for c in range(r)])
         self.cache.load_rows(rows, tmp)
 
+    def prompt_pairs(self, slots: np.ndarray, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                     lengths: np.ndarray) -> None:
+        """A token family's prompt into the drafter's cache before the first image pair: pair j =
+        (prompt token j + 1, target hidden at entry j) at that token's position, for j < length - 1
+        of each row. slots: (n,) slot indices; tokens, positions (R_n, L) (cond rows, then uncond);
+        hidden (R_n, L, dim); lengths (R_n,) prompt entries per row (right padding past them)."""
+        rn, n = tokens.shape[0], tokens.shape[1] - 1
+        if n < 1:
+            return
+        dev = self.device
+        tmp = self.drafter.new_cache(rn, n)
+        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()  # right padding: past each row's length
+        self.drafter(tokens[:, 1:], hidden[:, :n], positions[:, 1:], tmp.attn_mask(causal), tmp)
+        self.forwards += 1
+        tmp.set_lengths(np.asarray(lengths, dtype=np.int64) - 1)  # pairs each row keeps
+        r = rn // len(slots)
+        rows = torch.cat([torch.as_tensor(slots, device=dev) + c * self.slots for c in range(r)])
+        self.cache.load_rows(rows, tmp)
+
     # ---- drafting -----------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, plan: RoundPlan, slots: Slots, noise: torch.Tensor | None,

@@ -182,3 +182,14 @@ def test_cost_budget_measures_a_chameleon_target(lumina):
     res = g.generate(PROMPTS[:2], SEEDS[:2])
     assert g.cost_table().ms and all(r.stats.estimated_speedup > 0 for r in res)
     assert torch.equal(codes(res), codes(run(lumina, "ar", 2, temperature=1.0, top_k=3, cfg_scale=3.0))[:2])
+
+
+def test_the_drafter_reads_the_prompt_pairs_of_every_row(lumina):
+    """A token family's drafter cache holds (token j + 1, hidden j) for each row's prompt, as EAGLE's does."""
+    g = Generator(lumina, DecodeConfig(method="eagle2", batch_size=3, temperature=0.0, cfg_scale=3.0,
+                                       tree=TreeConfig(depth=3, top_k=3, budget=8)))
+    dec = g.decoder(3)
+    rows = lumina.prompter.rows(PROMPTS, True)
+    with torch.inference_mode():
+        dec.admit([(i, p, s) for i, (p, s) in enumerate(zip(PROMPTS, SEEDS))], rows)
+    assert dec.drafter.cache.host.tolist() == (rows.lengths - 1).tolist()
