@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import io
 import json
 import logging
 import os
@@ -35,7 +34,6 @@ import sys
 import time
 from typing import Any, Callable, Literal, Optional, Union
 
-import numpy as np
 import pyarrow.parquet as pq
 import torch
 import yaml

@@ -266,3 +266,9 @@ def test_config_refused(capsys):
     assert train_drafter.main(TINY + ["--bundle", "random:0", "--prompts", "p", "--out", "x",
                                       "--set", "train.stepz=3"]) == 2
     assert "train.stepz: unknown field" in capsys.readouterr().err
+
+
+def test_emoji16_recipe_is_a_valid_config():
+    cfg = train_drafter.load_config(str(ROOT / "jobs/train/recipes/emoji16.yaml"), {"prompts": "p.parquet", "out": "o"})
+    assert cfg.bundle == "emoji16" and cfg.num_workers == 2 and cfg.train.batch_size % cfg.num_workers == 0
+    assert cfg.eval.prompts == "examples/prompts.parquet" and cfg.eval.methods == ["eagle2", "adt"]
