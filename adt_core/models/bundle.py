@@ -189,10 +189,8 @@ def load_bundle_dir(name_or_path: str | Path = DEFAULT_BUNDLE) -> Bundle:
     if path.is_file():
         raise ValueError(f"{path} is a manifest, not a bundle directory: load it with adt_core.load_bundle")
     meta = json.loads((path / "bundle.json").read_text())
-    if meta.get("family", "llamagen") != "llamagen":  # another family's parts, in their own layouts
-        from adt_core.models.family_bundle import load_family_bundle
-
-        return load_family_bundle(path, meta)
+    if meta.get("family", "llamagen") != "llamagen":
+        raise ValueError(f"{path} holds a {meta['family']!r} bundle: load it with adt_core.load_bundle")
     comps = meta["components"]
     target = _load_component(LlamaGenGPT, GPTConfig, path / comps["target"])
     vq = _load_component(VQModel, VQConfig, path / comps["vq"])

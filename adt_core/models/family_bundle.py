@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from adt_core.config import SamplingConfig
+from adt_core.models.bundle import Bundle
 from adt_core.models.contract import get_family
 
 
@@ -32,8 +33,6 @@ def _part(base: Path, rel: str | None) -> Path | None:
 
 def load_family_bundle(path: str | Path, meta: dict | None = None, dtype: torch.dtype = torch.float32):
     """A Bundle from a family bundle directory (bundle.json names the family)."""
-    from adt_core.models.bundle import Bundle
-
     path = Path(path)
     meta = meta if meta is not None else json.loads((path / "bundle.json").read_text())
     family = get_family(meta["family"])
