@@ -153,14 +153,17 @@ def measure_target_cost(
 
 @torch.inference_mode()
 def measure_draft_cost(drafter, head, cfg_scale: float, rows: int, sizes: tuple[int, ...], slots: int = 1,
-                       prefix_len: int = 128, repeats: int = 5, warmup: int = 1) -> dict[int, float]:
+                       prefix_len: int = 128, repeats: int = 5, warmup: int = 1,
+                       vocab_size: int | None = None) -> dict[int, float]:
     """Milliseconds of one draft level carrying each total of frontier tokens in `sizes`
     (split over up to `slots` slots): a drafter forward under a mask on a cached prefix, the
-    target's head, CFG mixing and the top-k of every node, as `TreeProposer` runs it."""
+    target's head, CFG mixing and the top-k of every node, as `TreeProposer` runs it. Token ids
+    are drawn below `vocab_size` (the target's; default: the drafter's own embedding rows)."""
     from adt_core.sampling import cfg_mix
 
     w = drafter.fc.weight
-    dim, vocab_size = w.shape[0], drafter.embed_tokens.num_embeddings
+    dim = w.shape[0]
+    vocab_size = vocab_size or drafter.embed_tokens.num_embeddings
     timer = Timer(w.device)
     prefix = max(1, min(prefix_len, len(drafter.rope) - 2)) if hasattr(drafter, "rope") else prefix_len
     out: dict[int, float] = {}

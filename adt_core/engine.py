@@ -166,7 +166,8 @@ class Generator:
                                         slots=self.config.batch_size, prefix_len=prefix)
             if self.bundle.drafter is not None:
                 draft = measure_draft_cost(self.bundle.drafter, self.bundle.target.head, self.sampling.cfg_scale,
-                                           self.cfg_rows, sizes, slots=self.config.batch_size, repeats=3)
+                                           self.cfg_rows, sizes, slots=self.config.batch_size, repeats=3,
+                                           vocab_size=self.bundle.target.vocab.vocab_size)
                 k0 = self.config.adaptive.k0
                 table = CostTable(table.ms, CostTable({}, 0.0, draft).draft_cost(k0), draft)
             per_model[key] = table
