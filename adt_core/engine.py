@@ -28,7 +28,6 @@ from adt_core.batch import BatchDecoder, DecodeSetup
 from adt_core.calibrate import CostTable, Timer, batch_sizes, measure_draft_cost, measure_target_cost
 from adt_core.config import DecodeConfig, SamplingConfig
 from adt_core.draft import DraftScorer
-from adt_core.lantern import relaxation_for
 from adt_core.models.bundle import Bundle
 from adt_core.results import GenerationResult, PromptFailure, estimate_speedup
 from adt_core.sampler import Sampler
@@ -181,7 +180,7 @@ class Generator:
         """LANTERN's relaxed acceptance when configured (lossy), built once per Generator."""
         if self.config.lantern is None:
             return None
-        if self._relax is None:
-            codebook = self.bundle.vq.quantize.embedding.weight
-            self._relax = relaxation_for(codebook, self.config.lantern, self.device)
+        if self._relax is None:  # the bundle's neighbour table (the family's own, else from its codebook)
+            lc = self.config.lantern
+            self._relax = Relaxation(self.bundle.neighbour_table(lc.k).to(self.device), delta=lc.delta, lam=lc.lam)
         return self._relax

@@ -12,10 +12,12 @@ import hashlib
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from adt_core.config import LanternConfig
+from adt_core.models.checkpoints import CheckpointError
 from adt_core.verify import Relaxation
 
 
@@ -57,3 +59,25 @@ def neighbour_table(codebook: torch.Tensor, k: int) -> torch.Tensor:
 
 def relaxation_for(codebook: torch.Tensor, cfg: LanternConfig, device: torch.device | str) -> Relaxation:
     return Relaxation(neighbour_table(codebook, cfg.k).to(device), delta=cfg.delta, lam=cfg.lam)
+
+
+def load_neighbours(path: str | Path, k: int | None = None, num_codes: int | None = None) -> torch.Tensor:
+    """LANTERN's top_{V-1}_indices.npy -> (V, k) long codes, nearest first (row c: code c's
+    neighbours), the `neighbours` of adt_core.verify.Relaxation. Read memory-mapped: only the
+    first k columns are copied (the 8192 x 8191 table is 134 MB as uint16)."""
+    p = Path(path)
+    table = np.load(p, mmap_mode="r", allow_pickle=False)
+    if table.ndim != 2 or not np.issubdtype(table.dtype, np.integer):
+        raise CheckpointError(f"{p}: expected a 2-D integer table, got {table.dtype} {table.shape}")
+    v, width = table.shape
+    if num_codes is not None and v != num_codes:
+        raise CheckpointError(f"{p}: {v} rows, the codebook has {num_codes} codes")
+    k = width if k is None else k
+    if not 1 <= k <= width:
+        raise CheckpointError(f"{p}: {width} neighbours per code, {k} asked")
+    out = torch.from_numpy(np.ascontiguousarray(table[:, :k]).astype(np.int64))
+    if int(out.min()) < 0 or int(out.max()) >= v:
+        raise CheckpointError(f"{p}: codes outside 0..{v - 1}")
+    if bool((out == torch.arange(v)[:, None]).any()):
+        raise CheckpointError(f"{p}: a code lists itself as a neighbour")
+    return out

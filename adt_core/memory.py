@@ -25,6 +25,13 @@ import torch
 GB = 10**9
 
 
+def _size(n: int) -> str:
+    for unit, scale in (("GB", GB), ("MB", 10**6), ("kB", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
 class MemoryPlanError(ValueError):
     """Not even one image fits the device."""
 
@@ -87,6 +94,15 @@ class MemoryPlan:
 
     __str__ = describe
 
+    def line(self) -> str:
+        """The plan in one line (start-up consoles and logs)."""
+        cap = "uncapped" if self.batch_size is None else f"decode.batch_size {self.batch_size}"
+        return (f"memory plan: {self.images} image(s) in flight on a {self.device_bytes / GB:.1f} GB device "
+                f"(memory fits {self.fits}; {cap}): weights {_size(self.weights_total)}, per image "
+                f"{_size(self.per_image)} = KV {_size(self.target_kv_per_image)} ({self.rows_per_image} rows x "
+                f"{self.tokens_per_row} tokens) + drafter KV {_size(self.drafter_kv_per_image)} + tree "
+                f"{_size(self.tree_per_image)}; reserve {_size(self.reserve_bytes)}")
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.update(weights_total=self.weights_total, per_image=self.per_image, free_bytes=self.free_bytes)
@@ -107,13 +123,15 @@ def plan_memory(
     workspace_bytes: int = 0,
     batch_size: int | None = None,
     reserve_fraction: float = 0.08,
+    drafter_tokens: int | None = None,
 ) -> MemoryPlan:
     """Images in flight for one device.
 
     tokens: the longest row without a tree (max prompt tokens + generated tokens, forced ones
     included); tree_nodes / tree_depth: the largest draft tree (0 for AR); logits_width: the
-    columns of a logits row (the number of image codes). Raises MemoryPlanError when not one
-    image fits."""
+    columns of a logits row (the number of image codes); drafter_tokens: the drafter cache's
+    row length when the caller knows it (else tokens + every level of the tree). Raises
+    MemoryPlanError when not one image fits."""
     if not 0.0 <= reserve_fraction < 1.0:
         raise ValueError(f"reserve_fraction {reserve_fraction} not in [0, 1)")
     if batch_size is not None and batch_size < 1:
@@ -122,7 +140,9 @@ def plan_memory(
     spec = drafter is not None and tree_nodes > 0
     length = tokens + (tree_nodes + 1 if spec else 0)
     target_kv = target.bytes(rows, length, dtype_bytes)
-    drafter_kv = drafter.bytes(rows, tokens + (tree_depth + 1) * (tree_nodes + 1), dtype_bytes) if spec else 0
+    if drafter_tokens is None:
+        drafter_tokens = tokens + (tree_depth + 1) * (tree_nodes + 1)
+    drafter_kv = drafter.bytes(rows, drafter_tokens, dtype_bytes) if spec else 0
     tree = 2 * rows * (tree_nodes + 1) * logits_width * 4 if spec else rows * logits_width * 4
     plan = dict(device_bytes=int(device_bytes), reserve_bytes=int(device_bytes * reserve_fraction),
                 weights=dict(weights), workspace_bytes=int(workspace_bytes), rows_per_image=rows,
@@ -137,3 +157,80 @@ def plan_memory(
             f"{probe.per_image / GB:.2f} GB ({rows} rows x {length} tokens of KV); use a larger device, "
             "a shorter prompt limit or a smaller image")
     return MemoryPlan(**plan, fits=int(fits), images=int(min(fits, batch_size or fits)))
+
+
+# ---- a bundle and a decode config ---------------------------------------------------------
+VQ_LIVE_MAPS = 4  # full-resolution feature maps alive at once in a VQ decoder res block (estimate)
+
+
+def kv_shape(model) -> KVShape:
+    """Layers and kv width of any family's target or drafter, from its own `new_cache` (contract)."""
+    cache = model.new_cache(1, 1, device="meta")
+    layers, _, heads, _, head_dim = cache.k.shape  # (L, R, heads, max_len, hd)
+    return KVShape(int(layers), int(heads * head_dim))
+
+
+def _numel(m: torch.nn.Module) -> int:
+    return sum(t.numel() for t in [*m.parameters(), *m.buffers()])
+
+
+def decode_workspace(decoder, grid: tuple[int, int]) -> int:
+    """fp32 activations of decoding one image to pixels (an estimate: a few feature maps of the
+    decoder's full-resolution level)."""
+    cfg = getattr(decoder, "cfg", None)
+    if cfg is None or not hasattr(cfg, "ch"):
+        return 0
+    f = decoder.downsample_factor
+    return VQ_LIVE_MAPS * cfg.ch * cfg.ch_mult[0] * grid[0] * f * grid[1] * f * 4
+
+
+def tree_extent(config) -> tuple[int, int]:
+    """(nodes of the widest verified tree, drafter cache entries a round may feed) for a
+    DecodeConfig, as BatchDecoder sizes its caches (0, 0 for AR)."""
+    from adt_core.planner import bucket
+
+    if config.method == "ar":
+        return 0, 0
+    adt = config.method == "adt"
+    if config.method == "static":
+        widest = len(config.tree.static_paths)
+    else:
+        widest = bucket(config.adaptive.n_max) if adt else config.tree.budget
+    width = config.adaptive.k_max if adt else config.tree.top_k
+    fed = max(len(config.tree.static_paths or ()), (config.adaptive.d_max if adt else config.tree.depth) * width)
+    return widest, fed
+
+
+def bundle_plan(bundle, config, device_bytes: int, reserve_fraction: float = 0.08) -> MemoryPlan:
+    """The memory plan of decoding `bundle` (any family; weights may sit on the meta device)
+    with a DecodeConfig on one device of `device_bytes`.
+
+    Weights as Generator places them (target and drafter at config.dtype, the decoder in fp32,
+    a text encoder module at its own size); per image the caches BatchDecoder allocates: each
+    cfg row holds the longest prompt (the prompter's `max_prompt`, else the engine's MAX_PROMPT),
+    every generated entry up to the last code, and the widest tree; the drafter's cache holds the
+    same plus what one round feeds it. decode.batch_size caps the images in flight."""
+    from adt_core.engine import DTYPES, MAX_PROMPT
+
+    size = torch.empty((), dtype=DTYPES[config.dtype]).element_size()
+    weights = {"target": _numel(bundle.target) * size}
+    if bundle.drafter is not None:  # placed on the device for every method
+        weights["drafter"] = _numel(bundle.drafter) * size
+    weights["vq"] = _numel(bundle.vq) * 4
+    if isinstance(bundle.text_encoder, torch.nn.Module):
+        weights["text_encoder"] = sum(t.numel() * t.element_size()
+                                      for t in [*bundle.text_encoder.parameters(), *bundle.text_encoder.buffers()])
+    prompter = bundle.make_prompter()
+    layout = prompter.layout
+    n = layout.num_codes if config.max_tokens is None else min(config.max_tokens, layout.num_codes)
+    base = getattr(prompter, "max_prompt", None) or MAX_PROMPT
+    span = int(layout.offset(n - 1)) + 1
+    widest, fed = tree_extent(config)
+    spec = widest > 0
+    tokens = base + span + (1 if spec else 2)  # BatchDecoder: base + span + widest + 2 entries per row
+    return plan_memory(
+        device_bytes, weights, kv_shape(bundle.target), tokens, cfg=config.sampling(bundle.sampling).use_cfg,
+        dtype_bytes=size, drafter=kv_shape(bundle.drafter) if spec else None, tree_nodes=widest,
+        logits_width=prompter.vocab.num_codes, workspace_bytes=decode_workspace(bundle.vq, (layout.grid_h, layout.grid_w)),
+        batch_size=config.batch_size, reserve_fraction=reserve_fraction,
+        drafter_tokens=base + span + fed + 1 if spec else None)

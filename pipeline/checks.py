@@ -79,14 +79,19 @@ def _dir_bytes(path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def check_bundle(cfg: JobConfig) -> None:
+def check_bundle(cfg: JobConfig):
     """Load here what every actor will load, so a missing package or file is one line and
     exit code 2 before Ray starts, not a failure in every actor. A bundle directory (the
     embedded emoji16 included) up to FULL_LOAD_BYTES is loaded whole, text encoder included;
-    for bigger directories and manifests the text encoder is built (its imports and local
-    files) and the manifest parsed. Refusals name the install command."""
+    a bigger directory of a family with its own layouts (bundle.json names the family) is
+    loaded on the meta device (every file's header and shapes checked, no weights read); for
+    other big directories and manifests the text encoder is built (its imports and local
+    files) and the manifest parsed. Refusals name the install command. Returns the bundle
+    when one was loaded (the memory plan reads it), else None."""
     if cfg.bundle == "random" or cfg.bundle.startswith("random:"):
-        return
+        from adt_core import random_bundle
+
+        return random_bundle(seed=int(cfg.bundle.partition(":")[2] or 0))
     from adt_core import load_bundle
     from adt_core.models.bundle import resolve_bundle_dir
 
@@ -96,16 +101,76 @@ def check_bundle(cfg: JobConfig) -> None:
         raise JobRefused(f"bundle {cfg.bundle!r} not found: {e} (use --bundle random for a tiny random model)") from None
     try:
         if path.is_dir() and _dir_bytes(path) <= FULL_LOAD_BYTES:
-            load_bundle(path)
-        elif path.is_dir():
-            _check_text_encoder(json.loads((path / "bundle.json").read_text())["text_encoder"])
-        else:
-            from adt_core.models.manifest import read_manifest
+            return load_bundle(path)
+        if path.is_dir():
+            meta = json.loads((path / "bundle.json").read_text())
+            if meta.get("family", "llamagen") != "llamagen":
+                from adt_core.models.family_bundle import load_family_bundle
 
-            _check_text_encoder(read_manifest(path).text_encoder)
+                return load_family_bundle(path, meta, device="meta")
+            _check_text_encoder(meta["text_encoder"])
+        else:
+            from adt_core.models.loader import read_any_manifest
+
+            m = read_any_manifest(path)
+            if getattr(m, "text_encoder", None):
+                _check_text_encoder(m.text_encoder)
     except ImportError as e:
         mod = _missing_module(e)
         hint = INSTALL_HINTS.get(mod, f"pip install {mod}" if mod else "reinstall the project's dependencies")
         raise JobRefused(f"bundle {cfg.bundle!r} cannot be loaded: {type(e).__name__}: {e}; install it with: {hint}") from None
     except Exception as e:  # noqa: BLE001 - any failure here would fail every actor the same way
         raise JobRefused(f"bundle {cfg.bundle!r} cannot be loaded: {type(e).__name__}: {e}") from None
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory (what CPU actors decode in)."""
+    import os
+
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _device_bytes(cfg: JobConfig) -> tuple[int | None, str]:
+    """(bytes, what) of one actor's device as the driver can know it before Ray starts."""
+    if cfg.device_memory_gb is not None:
+        return int(cfg.device_memory_gb * 1e9), "--device-memory-gb"
+    import torch
+
+    if cfg.device != "cpu" and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory), f"this machine's {torch.cuda.get_device_name(0)}"
+    if cfg.device == "cpu" or (cfg.ray_address is None and cfg.device == "auto"):
+        return host_memory_bytes(), "this machine's memory (CPU actors)"
+    return None, ""
+
+
+def plan_job_memory(cfg: JobConfig, bundle):
+    """The memory plan (adt_core.memory) of this job's bundle and decode config on one actor's
+    device, made before Ray starts: how many images each actor keeps in flight. None when the
+    driver cannot know the bundle's shapes (a manifest) or the device (a remote GPU cluster
+    without --device-memory-gb): each actor then plans on its own device. A plan that does not
+    fit one image is refused (exit 2)."""
+    from adt_core.memory import MemoryPlanError, bundle_plan
+
+    device_bytes, _ = _device_bytes(cfg)
+    if bundle is None or device_bytes is None:
+        return None
+    try:
+        return bundle_plan(bundle, cfg.decode.engine_config("cpu"), device_bytes)
+    except MemoryPlanError as e:
+        raise JobRefused(f"bundle {cfg.bundle!r}: {e}") from None
+
+
+def actor_memory_plan(cfg: JobConfig, bundle, device: str):
+    """The memory plan on an actor's device: --device-memory-gb, else the GPU's memory, else the
+    host's (CPU actors). Raises adt_core.memory.MemoryPlanError when not one image fits."""
+    import torch
+
+    from adt_core.memory import bundle_plan
+
+    if cfg.device_memory_gb is not None:
+        total = int(cfg.device_memory_gb * 1e9)
+    elif device.startswith("cuda"):
+        total = int(torch.cuda.get_device_properties(0).total_memory)
+    else:
+        total = host_memory_bytes()
+    return bundle_plan(bundle, cfg.decode.engine_config(device), total)

@@ -109,6 +109,11 @@ class JobConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto = one GPU per actor when the cluster has GPUs, else CPU actors; cuda = require GPUs."
     )
+    device_memory_gb: Optional[float] = Field(
+        None, gt=0.0, le=100000.0,
+        description="Memory of one actor's device for the memory plan (GB of 10^9 bytes); none = the driver's own "
+        "GPU when it has one, the host's memory for CPU actors, else each actor plans on its device.",
+    )
     num_actors: int = Field(1, ge=1, le=4096, description="Generator actors (each loads the bundle once).")
     gpus_per_actor: float = Field(1.0, gt=0.0, le=8.0, description="GPUs reserved per actor on GPU clusters.")
     cpus_per_actor: Optional[float] = Field(

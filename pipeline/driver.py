@@ -15,6 +15,7 @@ Output layout (rooted at JobConfig.output, a path or s3:// prefix):
 
     lease.json               held while a job writes here (pipeline.lease)
     job.json                 the JobConfig of the first run, with its config_hash
+    memory_plan.json         the latest run's memory plan: images in flight per actor, and why
     runs/<run id>.json       one record per run: its config, hash, end, counts (pipeline.history)
     images/<id>.png          one image per ok prompt (id sanitised by storage.safe_name)
     telemetry/*.parquet      one row per processed prompt (pipeline.telemetry.SCHEMA)
@@ -44,7 +45,7 @@ from typing import Any, Optional, TextIO
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.checks import JobRefused, check_bundle, check_engine_config
+from pipeline.checks import JobRefused, check_bundle, check_engine_config, plan_job_memory
 from pipeline.cluster import ActorPlan, ClusterUnavailable, connect
 from pipeline.execute import JobInterrupted, PoolRun, execute
 from pipeline.config import DEFAULT_INPUT, ConfigError, JobConfig, packaged_input
@@ -61,6 +62,8 @@ from pipeline.telemetry import STATUS_OK, TELEMETRY_DIR
 from pipeline.worker import GeneratorWorker
 
 log = logging.getLogger(__name__)
+
+MEMORY_PLAN = "memory_plan.json"  # the start-up memory plan of the latest run (adt_core.memory)
 
 EXIT_OK = 0
 EXIT_ROWS_FAILED = 1
@@ -186,7 +189,7 @@ def _run(cfg: JobConfig, stream: TextIO, signals: _Signals, worker: type) -> Job
     quiet_progress_bars(show=cfg.progress)
     cfg = _absolute(cfg)
     check_engine_config(cfg)
-    check_bundle(cfg)
+    memory = plan_job_memory(cfg, check_bundle(cfg))  # before Ray: a plan without one image is refused
     try:
         output = open_storage(cfg.output, cfg.storage)
         source = open_prompts(cfg.input, cfg.storage)
@@ -204,12 +207,24 @@ def _run(cfg: JobConfig, stream: TextIO, signals: _Signals, worker: type) -> Job
         raise JobRefused(str(e), EXIT_OUTPUT_BUSY) from None
     run = _Run(cfg, stream, _Printer(stream), signals, output, source, run_id, lease, worker, t_job, bool(existing))
     try:
+        _memory_plan(run, memory)
         _select(run)
         _generate(run)
         _finish_outputs(run)
         return _report(run, *_summarize(run))
     finally:
         lease.release()
+
+
+def _memory_plan(run: _Run, plan: Any) -> None:
+    """The memory plan in one line, and memory_plan.json beside job.json (each actor plans
+    again on its own device and keeps at most that many images in flight)."""
+    if plan is None:
+        run.say("memory plan: made by each actor on its own device (give --device-memory-gb to plan here)")
+        return
+    run.say(plan.line())
+    doc = {"run_id": run.run_id, "bundle": run.cfg.bundle, "method": run.cfg.decode.method, **plan.to_dict()}
+    run.output.put_text(MEMORY_PLAN, json.dumps(doc, indent=2) + "\n", "application/json")
 
 
 def _select(run: _Run) -> None:

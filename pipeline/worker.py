@@ -42,6 +42,7 @@ from typing import Any, Iterator, Optional
 
 import pyarrow as pa
 
+from pipeline.checks import actor_memory_plan
 from pipeline.config import JobConfig, StorageSettings
 from pipeline.costs import attach_costs
 from pipeline.metrics import WorkerMetrics
@@ -82,7 +83,8 @@ def load_bundle_spec(spec: str, storage: Optional["StorageSettings"] = None):
     and smoke runs), an embedded bundle name, a bundle directory, or a manifest whose s3://
     checkpoints are read with the job's storage settings (one configuration for both)."""
     import adt_core
-    from adt_core.models.manifest import is_manifest_path, load_manifest_bundle
+    from adt_core.models.loader import load_any_manifest
+    from adt_core.models.manifest import is_manifest_path
 
     if spec == "random" or spec.startswith("random:"):
         seed = int(spec.partition(":")[2] or 0)
@@ -90,7 +92,7 @@ def load_bundle_spec(spec: str, storage: Optional["StorageSettings"] = None):
     if is_manifest_path(spec):
         from pipeline.s3 import model_s3_client
 
-        return load_manifest_bundle(spec, s3_client_factory=lambda: model_s3_client(storage))
+        return load_any_manifest(spec, s3_client_factory=lambda: model_s3_client(storage))
     return adt_core.load_bundle(spec)
 
 
@@ -179,10 +181,13 @@ class GeneratorWorker:
         self.storage = open_storage(self.cfg.output, self.cfg.storage)
         t0 = time.perf_counter()
         self.bundle = load_bundle_spec(self.cfg.bundle, self.cfg.storage)
-        self.generator = adt_core.Generator(self.bundle, self.cfg.decode.engine_config(self.device))
+        self.memory = actor_memory_plan(self.cfg, self.bundle, self.device)  # in flight here (<= decode.batch_size)
+        in_flight = self.memory.images
+        self.generator = adt_core.Generator(self.bundle, self.cfg.decode.engine_config(self.device, batch_size=in_flight))
         self.baseline = None
         if self.cfg.baseline_fraction > 0:
-            self.baseline = adt_core.Generator(self.bundle, self.cfg.decode.engine_config(self.device, method="ar"))
+            self.baseline = adt_core.Generator(self.bundle, self.cfg.decode.engine_config(self.device, method="ar",
+                                                                                          batch_size=in_flight))
         actor, node, self.in_actor = _ray_context()
         dev_name = self.device
         if self.device.startswith("cuda"):
@@ -198,7 +203,7 @@ class GeneratorWorker:
         t2 = time.perf_counter()
         cost_note = "" if costs == "unused" else f", cost table {costs} in {t2 - t1:.1f} s"
         self.ready_line = (f"worker ready {_process_age():.0f} s after its process started: bundle {self.bundle.name} "
-                           f"loaded in {t1 - t0:.1f} s{cost_note} ({dev_name}, {self.cfg.decode.batch_size} in flight)")
+                           f"loaded in {t1 - t0:.1f} s{cost_note} ({dev_name}, {in_flight} in flight); {self.memory.line()}")
         if self.in_actor:
             print(self.ready_line, flush=True)  # Ray forwards it to the driver's console and job logs
         else:

@@ -44,6 +44,19 @@ class Bundle:
     sampling: SamplingConfig  # defaults for DecodeConfig fields left None
     family: str = "llamagen"  # the model family (adt_core/models/contract.py)
     prompter: object | None = None  # the family's Prompter; None: LlamaGen's, from text_encoder + target
+    neighbours: Path | None = None  # LANTERN's neighbour table (.npy, row = code); None: from the VQ codebook
+
+    def neighbour_table(self, k: int) -> torch.Tensor:
+        """(V, k) long: each code's k nearest other codes, nearest first (LANTERN's relaxation):
+        the family's shipped table when the bundle names one, else computed from the decoder's
+        codebook (cached on disk; adt_core/lantern.py)."""
+        if self.neighbours is not None:
+            from adt_core.lantern import load_neighbours
+
+            return load_neighbours(self.neighbours, k, num_codes=self.make_prompter().vocab.num_codes)
+        from adt_core.lantern import neighbour_table
+
+        return neighbour_table(self.vq.quantize.embedding.weight, k)
 
     def make_prompter(self):
         """The family's Prompter (prompt rows, layout, image vocabulary). LlamaGen's is built from

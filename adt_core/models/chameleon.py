@@ -349,7 +349,8 @@ def load_chameleon(path: str | Path, dtype: torch.dtype = torch.float32, device:
     """A Chameleon target from an HF-layout directory (config.json + safetensors, sharded or not).
 
     Strict: a missing shard, a missing key, a misshapen tensor or an unknown key raises
-    CheckpointError naming it (the image encoder under model.vqmodel.* is skipped)."""
+    CheckpointError naming it (the image encoder under model.vqmodel.* is skipped). On
+    device "meta" only the headers are read: the checks run, the model holds no weights."""
     d = Path(path)
     cfg_file = d / "config.json"
     if not cfg_file.is_file():
@@ -363,6 +364,9 @@ def load_chameleon(path: str | Path, dtype: torch.dtype = torch.float32, device:
         raise CheckpointError(f"{cfg_file}: image ids end at {cfg.first_image_id + cfg.num_image_codes}, "
                               f"past the vocabulary of {cfg.vocab_size}")
     check_state(_meta(shapes), expected_shapes(cfg), str(d))
+    if torch.device(device).type == "meta":  # shapes checked from the headers; no tensor read
+        with torch.device("meta"):
+            return ChameleonTarget(cfg).to(dtype).eval()
     state = read_tensors(files, list(files), dtype, device)
     state["lm_head.weight"] = state["lm_head.weight"][cfg.vocab.id_slice].clone()
     with torch.device("meta"):

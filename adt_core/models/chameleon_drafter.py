@@ -24,11 +24,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
 from adt_core.kv_cache import KVCache
+from adt_core.lantern import load_neighbours  # noqa: F401 - LANTERN's table, re-exported here
 from adt_core.models.chameleon import ChameleonConfig, ChameleonTarget, DecoderLayer, rope_cos_sin
 from adt_core.models.checkpoints import CheckpointError, check_state, torch_load, unwrap_state_dict
 
@@ -71,19 +71,25 @@ def _weights_file(d: Path) -> Path:
     return found[0]
 
 
-def _read(path: Path) -> dict[str, torch.Tensor]:
+def _read(path: Path, meta: bool = False) -> dict[str, torch.Tensor]:
+    """The state dict; with meta, tensors of the right shape and no data (headers only)."""
     if path.suffix == ".safetensors":
+        from safetensors import safe_open
         from safetensors.torch import load_file
 
-        return load_file(str(path))
-    return unwrap_state_dict(torch_load(path), str(path))
+        if not meta:
+            return load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            return {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}
+    return unwrap_state_dict(torch_load(path), str(path))  # memory-mapped
 
 
 def load_chameleon_drafter(path: str | Path, target: ChameleonTarget | ChameleonConfig | None = None,
                            dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> ChameleonDrafter:
     """A LANTERN Chameleon drafter from DIR (config.json + model.safetensors | pytorch_model.bin,
     the latter read with weights_only=True). Strict: exactly the 16 tensors, each in shape; a
-    target (model or config), when given, must match width, heads and vocabulary."""
+    target (model or config), when given, must match width, heads and vocabulary. On device
+    "meta" the checks run on the safetensors header and the model holds no weights."""
     d = Path(path)
     d = d if d.is_dir() else d.parent
     cfg_file = d / "config.json"
@@ -91,9 +97,10 @@ def load_chameleon_drafter(path: str | Path, target: ChameleonTarget | Chameleon
         raise CheckpointError(f"{d}: a LANTERN drafter needs config.json")
     weights = _weights_file(d)
     config = json.loads(cfg_file.read_text())
-    state = _read(weights)
+    meta = torch.device(device).type == "meta"
+    state = _read(weights, meta)
     if "fc.bias" not in state and config.get("bias") is False:
-        state["fc.bias"] = torch.zeros(int(config["hidden_size"]))  # trained without a bias: the same function
+        state["fc.bias"] = torch.zeros(int(config["hidden_size"]), device=state["fc.weight"].device)  # trained without a bias: the same function
     q_norm = state.get("layers.0.self_attn.q_norm.weight")  # [g, hd]: g from the file (else the check names it)
     groups = int(q_norm.shape[0]) if q_norm is not None and q_norm.dim() == 2 else None
     cfg = ChameleonConfig.from_hf({**config, "num_hidden_layers": 1}, groups, str(cfg_file))
@@ -101,6 +108,9 @@ def load_chameleon_drafter(path: str | Path, target: ChameleonTarget | Chameleon
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in ChameleonDrafter(cfg).state_dict().items()}
     check_state(state, expected, str(weights))
+    if meta:  # checked; no weights
+        with torch.device("meta"):
+            return ChameleonDrafter(cfg).to(dtype).eval()
     model = ChameleonDrafter(cfg)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
     return model.to(device).eval()
@@ -115,25 +125,3 @@ def _check_target(cfg: ChameleonConfig, target, source: str) -> None:
     if mine != theirs:
         raise CheckpointError(f"{source}: drafter (hidden, heads, vocab, rope theta) {mine} does not match "
                               f"the target's {theirs}")
-
-
-def load_neighbours(path: str | Path, k: int | None = None, num_codes: int | None = None) -> torch.Tensor:
-    """LANTERN's top_{V-1}_indices.npy -> (V, k) long codes, nearest first (row c: code c's
-    neighbours), the `neighbours` of adt_core.verify.Relaxation. Read memory-mapped: only the
-    first k columns are copied (the 8192 x 8191 table is 134 MB as uint16)."""
-    p = Path(path)
-    table = np.load(p, mmap_mode="r", allow_pickle=False)
-    if table.ndim != 2 or not np.issubdtype(table.dtype, np.integer):
-        raise CheckpointError(f"{p}: expected a 2-D integer table, got {table.dtype} {table.shape}")
-    v, width = table.shape
-    if num_codes is not None and v != num_codes:
-        raise CheckpointError(f"{p}: {v} rows, the codebook has {num_codes} codes")
-    k = width if k is None else k
-    if not 1 <= k <= width:
-        raise CheckpointError(f"{p}: {width} neighbours per code, {k} asked")
-    out = torch.from_numpy(np.ascontiguousarray(table[:, :k]).astype(np.int64))
-    if int(out.min()) < 0 or int(out.max()) >= v:
-        raise CheckpointError(f"{p}: codes outside 0..{v - 1}")
-    if bool((out == torch.arange(v)[:, None]).any()):
-        raise CheckpointError(f"{p}: a code lists itself as a neighbour")
-    return out

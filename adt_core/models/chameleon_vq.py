@@ -282,6 +282,9 @@ def load_chameleon_vq(path: str | Path, device: str | torch.device = "cpu",
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in ChameleonVQ(cfg).state_dict().items()}
     check_state(state, expected, str(weights))
+    if torch.device(device).type == "meta":  # checked (the state is memory-mapped); no weights
+        with torch.device("meta"):
+            return ChameleonVQ(cfg).to(dtype).eval()
     model = ChameleonVQ(cfg)
     model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
     return model.to(device=device, dtype=dtype).eval()

@@ -19,7 +19,13 @@ from adt_core.models import checkpoints
 from adt_core.models.bundle import resolve_bundle_dir
 from adt_core.models.drafter import DrafterConfig
 from adt_core.models.gpt import GPTConfig
-from adt_core.models.bundle_memory import bundle_memory, plan_memory
+from adt_core.memory import GB, bundle_plan
+from adt_core.models.bundle import Bundle
+from adt_core.models.drafter import Drafter
+from adt_core.models.gpt import LlamaGenGPT
+from adt_core.models.text import HashTextEncoder
+from adt_core.models.vq import VQModel
+from adt_core.config import SamplingConfig
 from adt_core.models.cache import LocalCache
 from adt_core.models.manifest import load_manifest_bundle, read_manifest
 from adt_core.models.sources import ChecksumError, ManifestError, sha256_file
@@ -228,31 +234,36 @@ def test_s3_missing_object_is_named(s3, tmp_path):
 
 # ---- memory planning ---------------------------------------------------------------------
 def test_memory_plan_of_llamagen_xl_512():
+    """adt_core.memory.bundle_plan on LlamaGen-XL's real shapes (meta device: no weights)."""
     xl = GPTConfig.llamagen("XL", grid=32)
-    ar = plan_memory(xl, DrafterConfig.for_target(xl), VQConfig.vq16(), dtype="bfloat16", cfg=True, tree_nodes=0)
+    text = HashTextEncoder(dim=xl.caption_dim, max_tokens=xl.cls_token_num)
+    with torch.device("meta"):
+        bundle = Bundle("xl", text, LlamaGenGPT(xl), Drafter(DrafterConfig.for_target(xl)), VQModel(VQConfig.vq16()),
+                        (32, 32), SamplingConfig(cfg_scale=7.5))
+    ar = bundle_plan(bundle, DecodeConfig(method="ar", dtype="bfloat16"), 141 * GB)
     assert ar.weights["target"] == (777_678_080 + 245_760) * 2
     assert ar.weights["drafter"] == 44_567_040 * 2
     assert ar.weights["vq"] == (71_883_403 + 65_536) * 4  # fp32 decoder, codebook_used buffer included
-    assert ar.target_kv_per_image == 421_724_160  # 2 (k, v) x 36 layers x 2 CFG rows x 1280 x 1144 x 2 bytes
-    assert ar.drafter_kv_per_image == 0 and ar.rows_per_image == 2
-    spec = plan_memory(xl, DrafterConfig.for_target(xl), VQConfig.vq16(), dtype="bfloat16", tree_nodes=58, depth=5)
-    assert spec.target_kv_per_image == 421_724_160 // 1144 * (1144 + 59)
-    assert spec.drafter_kv_per_image == 2 * 2 * 1280 * (1024 + 6 * 59) * 2
-    assert ar.vq_decode_per_image == 4 * 128 * 512 * 512 * 4  # estimate: at 512 px pixels outweigh tokens
-    assert ar.per_image == max(ar.vq_decode_per_image, ar.target_kv_per_image + ar.logits_per_image)
-    assert 50 < ar.max_images(141 * 2**30) < 400
-    nocfg = plan_memory(xl, dtype="bfloat16", cfg=False, tree_nodes=0)
+    assert ar.rows_per_image == 2 and ar.drafter_kv_per_image == 0
+    assert ar.target_kv_per_image == 2 * 36 * 2 * 1280 * (120 + 1024 + 2) * 2  # CFG rows x layers x k,v x width
+    assert ar.workspace_bytes == 4 * 128 * 512 * 512 * 4  # estimate: one image decoded to pixels
+    spec = bundle_plan(bundle, DecodeConfig(method="eagle2", dtype="bfloat16"), 141 * GB)
+    widest = DecodeConfig().tree.budget
+    assert spec.target_kv_per_image == 2 * 36 * 2 * 1280 * (120 + 1024 + widest + 2) * 2
+    assert spec.drafter_kv_per_image > 0 and spec.per_image > ar.per_image
+    assert 64 == spec.images < spec.fits  # decode.batch_size caps it
+    nocfg = bundle_plan(bundle, DecodeConfig(method="ar", dtype="bfloat16", cfg_scale=1.0), 141 * GB)
     assert nocfg.target_kv_per_image * 2 == ar.target_kv_per_image
-    assert set(ar.to_dict()) >= {"weights", "weights_total", "per_image", "target_kv_per_image"}
+    assert set(ar.to_dict()) >= {"weights", "weights_total", "per_image", "target_kv_per_image", "images"}
 
 
-def test_bundle_memory_matches_the_loaded_bundle(published):
+def test_bundle_plan_counts_the_loaded_bundle(published):
     bundle = load_manifest_bundle(write_manifest(published.root / "mem.yaml", manifest_dict()))
-    plan = bundle_memory(bundle, dtype="float32")
-    actual = bundle.component_bytes()
-    assert plan.weights == actual  # fp32 everywhere here, text encoder included
+    plan = bundle_plan(bundle, DecodeConfig(method="eagle2", dtype="float32"), 8 * GB)
+    assert plan.weights == bundle.component_bytes()  # fp32 everywhere here, text encoder included
     assert plan.rows_per_image == 2  # cfg_scale 4.0 in the manifest
-    assert bundle_memory(bundle, dtype="bfloat16").weights["target"] * 2 == actual["target"]
+    half = bundle_plan(bundle, DecodeConfig(method="eagle2", dtype="bfloat16"), 8 * GB)
+    assert half.weights["target"] * 2 == plan.weights["target"]
 
 
 # ---- the shipped manifests (infra/manifests) ------------------------------------------------------
