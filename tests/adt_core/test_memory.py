@@ -76,3 +76,44 @@ def test_without_a_drafter_or_cfg():
     assert plan.fits == (8 * GB) // plan.per_image
     with pytest.raises(ValueError, match="batch_size 0"):
         plan_memory(10 * GB, {}, KVShape(1, 1), 1, batch_size=0)
+
+
+# ---- the plan a job makes (adt_core.memory.bundle_plan) on a 7B bundle held on the meta device ----
+@pytest.fixture(scope="module")
+def meta_7b(tmp_path_factory):
+    """Chameleon-7B target, its LANTERN drafter and Meta's VQGAN with the real shapes (meta device,
+    no weights), and the family's prompters over a tokenizer with Chameleon's id layout."""
+    import torch
+
+    from adt_core.models.chameleon_prompt import load_prompter
+    from chameleon_fixtures import make_tokenizer
+
+    tok = make_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+    with torch.device("meta"):
+        parts = (ChameleonTarget(ChameleonConfig.chameleon_7b()),
+                 ChameleonDrafter(ChameleonConfig.chameleon_7b(num_hidden_layers=1)), ChameleonVQ(VQGANConfig()))
+    return parts, {name: load_prompter(tok, layout=name) for name in ("lumina", "anole")}
+
+
+@pytest.mark.parametrize("layout,device,method,expected", [
+    ("lumina", 80, "eagle2", 18), ("lumina", 141, "eagle2", 35), ("lumina", 141, "ar", 37),
+    ("anole", 80, "adt", 33), ("anole", 141, "adt", 64),  # Anole on 141 GB: memory fits 65, the cap is 64
+])
+def test_job_plan_of_7b_bundles(meta_7b, layout, device, method, expected):
+    from adt_core import DecodeConfig
+    from adt_core.config import SamplingConfig
+    from adt_core.memory import bundle_plan, tree_extent
+    from adt_core.models.bundle import Bundle
+
+    (target, drafter, vq), prompters = meta_7b
+    p = prompters[layout]
+    bundle = Bundle(f"{layout}-7b", None, target, drafter, vq, (p.layout.grid_h, p.layout.grid_w),
+                    SamplingConfig(temperature=1.0, top_k=2000, cfg_scale=3.0), "chameleon", p)
+    config = DecodeConfig(method=method, dtype="bfloat16")
+    plan = bundle_plan(bundle, config, device * GB)
+    assert plan.images == expected and plan.rows_per_image == 2
+    assert 14.7 * GB < plan.weights_total < 15.0 * GB  # bf16 target + drafter, fp32 VQGAN
+    span = p.layout.offset(p.layout.num_codes - 1) + 1  # 48 x 49 - 1 (Lumina), 1024 (Anole)
+    widest = tree_extent(config)[0]  # 0 (ar), 58 (eagle2's budget), 64 (adt's n_max bucket)
+    assert plan.tokens_per_row == 512 + span + widest + 2  # the engine's prompt budget + image + one tree
+    assert f"{expected} image(s) in flight on a {device:.1f} GB device" in plan.line()
