@@ -27,7 +27,12 @@ def _bundle_sampling(cfg: JobConfig):
     try:
         from adt_core.models.bundle import resolve_bundle_dir
 
-        meta = json.loads((resolve_bundle_dir(cfg.bundle) / "bundle.json").read_text())
+        path = resolve_bundle_dir(cfg.bundle)
+        if path.is_file():  # a manifest (any family) names its sampling defaults
+            from adt_core.models.loader import read_any_manifest
+
+            return read_any_manifest(path).sampling
+        meta = json.loads((path / "bundle.json").read_text())
         return SamplingConfig(**meta["sampling"])
     except (OSError, KeyError, ValueError, TypeError):
         return SamplingConfig()
