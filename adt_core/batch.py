@@ -18,8 +18,8 @@ step:
 Model families (adt_core/models/contract.py): a slot's rows are prefilled from the family's
 PromptRows (each row its own length); image index i of cache row r sits at base[r] +
 layout.offset(i); the models read ids (ImageVocab.to_id) and give logits over codes. Forced
-end-of-line tokens (Lumina) ride in the forward that caches a row's last code (see
-"forced end-of-line tokens" below); trees never cross a row end.
+end-of-line tokens (Lumina) ride in the forward that caches a row's last code
+(adt_core/forced.py); trees never cross a row end.
 
 Time per image: each round's wall time is shared equally by its images; prefill time by the
 images admitted together.
@@ -27,7 +27,7 @@ images admitted together.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -36,10 +36,12 @@ from adt_core.adaptive import AdaptiveGrid
 from adt_core.calibrate import CostTable, Timer
 from adt_core.config import DecodeConfig
 from adt_core.draft import BatchDrafter, DraftScorer, StaticLevels
+from adt_core.forced import ForcedEol
 from adt_core.models.bundle import Bundle
 from adt_core.models.contract import Layout, PromptRows
 from adt_core.models.llamagen import caption_rows
 from adt_core.planner import Planner, bucket, planner_for
+from adt_core.prefill import prefill_rows
 from adt_core.results import StepStats
 from adt_core.round_log import RoundLog
 from adt_core.round_state import RoundOutcome, RoundPlan, Slots, TreeBatch, Verified
@@ -92,10 +94,11 @@ class BatchDecoder:
         # family's uncond row may be shorter than its cond row); set on admit
         self.row_base = np.zeros(self.r * capacity, np.int64)
         self.base_col = torch.zeros(self.r * capacity, 1, dtype=torch.long, device=setup.device)  # (R, 1)
-        # forced end-of-line after every image row (Lumina): see `_eol_roots`
-        self.eol = self.layout.eol
-        if self.eol is not None:
-            self.eol_id = torch.tensor(self.eol, dtype=torch.long, device=setup.device)
+        # forced end-of-line after every image row (Lumina): adt_core/forced.py
+        self.forced = None
+        if self.layout.eol is not None:
+            self.forced = ForcedEol(torch.tensor(self.layout.eol, dtype=torch.long, device=setup.device),
+                                    self.layout.grid_w, self.n, self.rows)
         self.scale = setup.sampler.sampling.cfg_scale
         adt = c.method == "adt"
         self.grid = AdaptiveGrid(capacity, (self.layout.grid_h, self.layout.grid_w), c.adaptive) if adt else None
@@ -250,64 +253,13 @@ class BatchDecoder:
             return []
         t0 = self.s.timer.mark()
         plan = self.planner.plan(self.slots)
-        if plan is not None and self.eol is not None:
-            plan = self._within_row(plan)
+        if plan is not None and self.forced is not None:
+            plan = self.forced.within_row(plan, self.slots)
         if plan is None:
             self._plain_step(t0)
         else:
             self._spec_round(plan, t0)
         return self._retire()
-
-    # ---- forced end-of-line tokens --------------------------------------------------------
-    # The round generates image indices 0 .. N - 1 only; a forced token is never drafted, sampled
-    # or counted. When a slot's ROOT (its last committed code, not yet in the cache) ends an
-    # image row, the forward that caches the root also carries the end-of-line right after it
-    # (its "companion" entry, at the next position); the companion's output is what predicts
-    # the next code, and the cache keeps root + companion. Slots whose root does not end a row
-    # carry a padding companion that nothing sees and the cache drops. Drafted nodes never cross
-    # a row end (`_within_row`): a node's children then always follow it directly.
-    def _eol_roots(self) -> np.ndarray | None:
-        """(C,) bool on the host: active slots whose root ends an image row; None when none does."""
-        if self.eol is None:
-            return None
-        s, w = self.slots, self.layout.grid_w
-        eol = s.active & (s.host_count >= 1) & ((s.host_count - 1) % w == w - 1) & (s.host_count < self.n)
-        return eol if eol.any() else None
-
-    def _within_row(self, plan: RoundPlan) -> RoundPlan | None:
-        """Cap each slot's depth so no drafted node ends an image row: nodes sit at indices
-        root + 1 .. (the next row end) - 1, so no forced token falls inside a tree."""
-        w = self.layout.grid_w
-        cap = (w - 1 - self.slots.host_count % w) % w  # host_count = root index + 1
-        depth = np.minimum(plan.depth, cap)
-        if depth.max(initial=0) <= 0:
-            return None
-        return replace(plan, depth=depth, levels=min(plan.levels, int(depth.max())))
-
-    def _with_companion(self, tokens: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None,
-                        eol: torch.Tensor):
-        """Insert the companion entry after the root (column 1): ids (R, S), positions (R, S),
-        tree mask (C, S, S) or None -> (R, S + 1), (R, S + 1), (C, S + 1, S + 1)."""
-        r_eol = self.rows(eol)  # (R,)
-        comp = torch.where(r_eol, self.eol_id, tokens[:, 0])[:, None]
-        tokens = torch.cat([tokens[:, :1], comp, tokens[:, 1:]], 1)
-        pos = torch.cat([pos[:, :1], pos[:, :1] + 1, pos[:, 1:]], 1)
-        c, s = eol.shape[0], pos.shape[1]
-        if mask is None:
-            return tokens, pos, torch.ones(s, s, dtype=torch.bool, device=pos.device).tril()
-        m = torch.zeros(c, s, s, dtype=torch.bool, device=mask.device)
-        keep = torch.tensor([0] + list(range(2, s)), device=mask.device)
-        m[:, keep[:, None], keep[None, :]] = mask
-        m[:, 1, :2] = True  # the companion sees the root and itself
-        m[:, 2:, 1] = eol[:, None]  # every node sees a real end-of-line (never a padding one)
-        return tokens, pos, m
-
-    @staticmethod
-    def _root_entry(x: torch.Tensor, r_eol: torch.Tensor) -> torch.Tensor:
-        """(R, S + 1, ...) with a companion -> (R, S, ...): the companion's output stands for the
-        root's where it is an end-of-line."""
-        first = torch.where(r_eol.view(-1, *[1] * (x.dim() - 1)), x[:, 1:2], x[:, :1])
-        return torch.cat([first, x[:, 2:]], 1)
 
     def _plain_step(self, t0: float) -> None:
         """A plain batched AR step: each slot's root through the target, one draw per slot."""
@@ -316,17 +268,17 @@ class BatchDecoder:
         position = s.host_count.copy()
         pos = self.seq_pos((s.count - 1)[:, None])  # (R, 1)
         start = self.cache.host.copy()
-        eol = self._eol_roots()
+        eol = self.forced.roots(self.slots) if self.forced is not None else None
         tokens = self.ids(self.rows(s.roots()[:, None]))
         if eol is None:
             one = torch.ones(self.cache.rows, 1, 1, dtype=torch.bool, device=dev)
             logits, hidden = setup.bundle.target(pos, self.cache.attn_mask(one), self.cache, tokens=tokens)
         else:
             eol_t = torch.from_numpy(eol).to(dev)
-            tokens, pos, causal = self._with_companion(tokens, pos, None, eol_t)
+            tokens, pos, causal = self.forced.with_companion(tokens, pos, None, eol_t)
             logits, hidden = setup.bundle.target(pos, self.cache.attn_mask(causal), self.cache, tokens=tokens)
             r_eol = self.rows(eol_t)
-            logits, hidden = self._root_entry(logits, r_eol), self._root_entry(hidden, r_eol)
+            logits, hidden = self.forced.root_entry(logits, r_eol), self.forced.root_entry(hidden, r_eol)
         new = setup.sampler.sample(cfg_mix(logits[:, 0], self.scale), s.seeds, s.count, s.gens)  # (C,)
         grow = active.astype(np.int64)
         self.cache.set_lengths(start + self.host_rows(grow if eol is None else grow + eol))
@@ -347,15 +299,15 @@ class BatchDecoder:
         tree = rerank_batch(pool, plan.nodes, torch.from_numpy(plan.budget).to(dev), s.roots(), plan.levels)
         start = self.cache.host.copy()
         pos = self.seq_pos((s.count - 1)[:, None] + tree.depths)  # (R, 1 + M)
-        eol = self._eol_roots()
+        eol = self.forced.roots(self.slots) if self.forced is not None else None
         tokens, tmask = self.ids(self.rows(tree.tokens)), tree.mask
         if eol is not None:
             eol_t = torch.from_numpy(eol).to(dev)
-            tokens, pos, tmask = self._with_companion(tokens, pos, tmask, eol_t)
+            tokens, pos, tmask = self.forced.with_companion(tokens, pos, tmask, eol_t)
         logits, hidden = setup.bundle.target(pos, self.cache.attn_mask(self.rows(tmask)), self.cache, tokens=tokens)
         if eol is not None:
             r_eol = self.rows(eol_t)
-            logits, hidden = self._root_entry(logits, r_eol), self._root_entry(hidden, r_eol)
+            logits, hidden = self.forced.root_entry(logits, r_eol), self.forced.root_entry(hidden, r_eol)
         mixed = cfg_mix(logits, self.scale)  # (C, 1 + M, V)
         active_t = torch.from_numpy(active).to(dev)
         ver = self._verify(tree, mixed, noise, plan.levels, active)
@@ -364,12 +316,8 @@ class BatchDecoder:
         grow = np.where(active, out.accepted + 1, 0)
         if eol is None:
             self.cache.keep_rows(start, self.rows(ver.path), self.host_rows(grow))
-        else:  # entries: root, companion, nodes (tree index i at i + 1); keep a real companion
-            shifted = torch.where(ver.path > 0, ver.path + 1, 0)  # (C, D + 1)
-            pad = torch.zeros_like(shifted[:, :1])
-            idx = torch.where(eol_t[:, None], torch.cat([pad, pad + 1, shifted[:, 1:]], 1),
-                              torch.cat([shifted, pad], 1))
-            self.cache.keep_rows(start, self.rows(idx), self.host_rows(grow + eol))
+        else:  # entries: root, companion, nodes
+            self.cache.keep_rows(start, self.rows(self.forced.cache_index(ver.path, eol_t)), self.host_rows(grow + eol))
         kept = hidden.gather(1, self.rows(ver.path)[..., None].expand(-1, -1, hidden.shape[2]))  # (R, D + 1, dim)
         self.drafter.ring.push(s.count, kept, ver.new, counts)
         s.write(ver.new, counts, grow)
@@ -438,29 +386,3 @@ class BatchDecoder:
 
     def _rejection_one(self, tree, mixed, gen, noise):
         return verify_stochastic(tree, mixed, self.s.sampler.sampling, gen, self.s.relax)
-
-
-def prefill_rows(target, rows: PromptRows, cache, lengths: np.ndarray | None = None):
-    """Run prompt rows (cond, then uncond with CFG) into `cache` (empty, rows.rows rows): each
-    row keeps its own length; returns logits (R, V) at each row's last prompt entry and hidden
-    (R, L, dim) over every entry."""
-    if lengths is None:
-        lengths = rows.lengths.cpu().numpy().astype(np.int64)
-    n, dev = rows.valid.shape[1], cache.valid.device
-    # entries past a row's length are padding the image tokens overwrite: valid for later queries
-    past = torch.arange(n, device=dev)[None] >= torch.from_numpy(lengths).to(dev)[:, None]
-    cache.valid[:, :n] = rows.valid.to(dev) | past
-    causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-    inputs = {"tokens": rows.tokens.to(dev)} if rows.tokens is not None else {"embeds": rows.embeds.to(dev)}
-    logits, hidden = target(rows.positions.to(dev), cache.attn_mask(causal), cache, **inputs)
-    cache.set_lengths(lengths)
-    if int(lengths.min()) == n:  # every row full (LlamaGen's caption rows): the last entry
-        return logits[:, -1], hidden
-    at = torch.from_numpy(lengths - 1).to(dev)
-    return logits[torch.arange(logits.shape[0], device=dev), at], hidden
-
-
-def prefill(bundle: Bundle, captions: torch.Tensor, cmask: torch.Tensor, cache, cfg_rows: int):
-    """LlamaGen's caption rows (cond, then uncond with CFG) into `cache`; returns logits (R, V)
-    at the last position and hidden (R, T, dim)."""
-    return prefill_rows(bundle.target, caption_rows(bundle.target, captions, cmask, cfg_rows == 2), cache)

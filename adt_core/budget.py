@@ -33,6 +33,8 @@ PROBE_EVERY, PROBE_MAX = 32, 512
 CLEAR_LOSS = 0.6  # a probe this far behind the winner (rate ratio) backs off four-fold
 EMA = 0.2
 SAMPLES = 3  # rounds of each kind measured (a plain mean) before the two are compared
+EDGE = 1.03  # drafting must measure this much faster than plain steps to be chosen: the rates are
+# noisy on a shared machine, and a plain step is the safe choice (it costs exactly what `ar` pays)
 
 
 class BatchBudget:
@@ -60,7 +62,7 @@ class BatchBudget:
         """Whether drafting measured faster in bucket k (None: not both measured enough yet)."""
         if not (self._known((k, True)) and self._known((k, False))):
             return None
-        return self.rate[(k, True)] > self.rate[(k, False)]
+        return self.rate[(k, True)] > EDGE * self.rate[(k, False)]
 
     def worth_drafting(self, a: int) -> bool:
         k = self.bucket(a)

@@ -198,3 +198,13 @@ def test_lantern_delta_zero_is_lossless_verification():
             assert torch.equal(x.tokens, y.tokens)
             assert x.stats.accepted_lengths == y.stats.accepted_lengths
             assert y.stats.lossy
+
+
+def test_batch_budget_keeps_plain_steps_unless_drafting_wins_by_the_edge():
+    from adt_core.budget import EDGE
+
+    for gain, drafts in ((1.0 + (EDGE - 1) / 2, False), (EDGE + 0.02, True)):
+        b = BatchBudget(CostTable({1: 10.0}), AdaptiveConfig(), samples=1)
+        b.observe_round(1, True, ms=10.0 / gain, tokens=1)  # drafting measured `gain` times faster
+        b.observe_round(1, False, ms=10.0, tokens=1)
+        assert b.worth_drafting(1) is drafts  # a noisy near-tie keeps the step that costs what `ar` pays

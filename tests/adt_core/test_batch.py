@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, TreeConfig, random_bundle
-from adt_core.batch import prefill
+from adt_core.prefill import prefill
 from adt_core.calibrate import CostTable
 from adt_core.results import PromptFailure
 
