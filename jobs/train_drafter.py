@@ -319,13 +319,14 @@ def fit(cfg: TrainDrafterConfig, out: Storage, family: str, train_ref, heldout_r
     return result.checkpoint, n
 
 
-def export(cfg: TrainDrafterConfig, out: Storage, bundle, drafter, provenance: dict) -> dict[str, str]:
+def export(cfg: TrainDrafterConfig, out: Storage, bundle, drafter, provenance: dict,
+           family: str = "llamagen") -> dict[str, str]:
     """OUT/drafter (fp16 component + provenance) and, for a bundle directory, OUT/bundle."""
     from safetensors.torch import save as save_safetensors
 
     state = {k: v.detach().to("cpu", torch.float16 if v.is_floating_point() else v.dtype).contiguous()
              for k, v in drafter.state_dict().items()}
-    files = {"drafter/config.json": json.dumps(dataclasses.asdict(drafter.config), indent=2).encode(),
+    files = {"drafter/config.json": json.dumps(HEADS[family].config_dict(drafter), indent=2).encode(),
              "drafter/model.safetensors": save_safetensors(state),
              "drafter/provenance.json": (json.dumps(provenance, indent=2, default=str) + "\n").encode()}
     written = {"drafter": out.uri_for("drafter")}
@@ -336,20 +337,37 @@ def export(cfg: TrainDrafterConfig, out: Storage, bundle, drafter, provenance: d
     except (FileNotFoundError, OSError):
         src = None
     if cfg.export_bundle and src is not None and src.is_dir():
-        meta = json.loads((src / "bundle.json").read_text())
-        comps = meta["components"]
-        for part in ("target", "vq"):
-            for f in sorted((src / comps[part]).iterdir()):
-                files[f"bundle/{part}/{f.name}"] = f.read_bytes()
-        meta["components"] = {"target": "target", "vq": "vq", "drafter": "drafter"}
-        meta["name"] = f"{meta['name']}+{cfg.run_name}"
-        files["bundle/bundle.json"] = (json.dumps(meta, indent=2) + "\n").encode()
+        files.update(bundle_files(src, cfg.run_name))
         for name in ("config.json", "model.safetensors", "provenance.json"):
             files[f"bundle/drafter/{name}"] = files[f"drafter/{name}"]
         written["bundle"] = out.uri_for("bundle")
     for key, data in files.items():
         out.put_bytes(key, data)
     return written
+
+
+def bundle_files(src, run_name: str) -> dict[str, bytes]:
+    """bundle/... files of the source bundle directory with the drafter replaced: every component
+    but the drafter copied once under the name of the first part that uses it (a family bundle's
+    parts may share one directory, e.g. Janus' target, VQ and tokenizer), bundle.json repointed."""
+    meta = json.loads((src / "bundle.json").read_text())
+    comps, files, placed = dict(meta["components"]), {}, {}
+    for part, rel in comps.items():
+        if part == "drafter" or not rel:
+            continue
+        path = (src / rel).resolve()
+        if path not in placed:
+            placed[path] = part if path.is_dir() else f"{part}/{path.name}"
+            for f in sorted(path.rglob("*")) if path.is_dir() else [path]:
+                if f.is_file():
+                    name = f.relative_to(path).as_posix() if path.is_dir() else f.name
+                    files[f"bundle/{part}/{name}"] = f.read_bytes()
+        comps[part] = placed[path]
+    comps["drafter"] = "drafter"
+    meta["components"] = comps
+    meta["name"] = f"{meta['name']}+{run_name}"
+    files["bundle/bundle.json"] = (json.dumps(meta, indent=2) + "\n").encode()
+    return files
 
 
 def run(cfg: TrainDrafterConfig, say: Callable[[str], None]) -> int:
@@ -395,12 +413,13 @@ def run(cfg: TrainDrafterConfig, say: Callable[[str], None]) -> int:
 def _run_on_ray(cfg: TrainDrafterConfig, out: Storage, bundle, say, t_job: float) -> int:
     import ray
 
-    from jobs.train.distill import DataError, cached_captions, heldout_mask, load_grids, table_of, worker_arrays
+    from jobs.train.distill import DataError, heldout_mask, load_grids, table_of, worker_arrays
     from jobs.train.eval import acceptance, drafter_from_state
     from jobs.train.ray_train import read_state
 
     data_store = make_data(cfg, out, say)
-    num_codes = bundle.target.config.vocab_size
+    family = family_of(bundle)
+    num_codes = bundle.make_prompter().vocab.num_codes
     try:
         grids = load_grids(data_store, num_codes, tuple(bundle.grid))
     except DataError as e:
@@ -412,20 +431,19 @@ def _run_on_ray(cfg: TrainDrafterConfig, out: Storage, bundle, say, t_job: float
                        f"{len(heldout_set)}), fewer than train.batch_size {cfg.train.batch_size}", EXIT_BAD_DATA)
     say(f"data: {len(grids)} grids ({grids.failed} prompt(s) failed, not used): {len(train_set)} train, "
         f"{len(heldout_set)} held out; {len(grids.prompts)} distinct prompts")
-    spec = bundle.text_encoder.config() if hasattr(bundle.text_encoder, "config") else {"type": type(bundle.text_encoder).__name__}
     t0 = time.time()
-    states, masks = cached_captions(out, bundle.text_encoder, spec, grids.prompts, say)
-    say(f"caption rows {tuple(states.shape)} ({time.time() - t0:.0f} s)")
-    train_ref = ray.put(worker_arrays(train_set, states, masks))
-    heldout_ref = ray.put(worker_arrays(heldout_set, states, masks)) if len(heldout_set) else None
+    rows = HEADS[family].prompt_arrays(bundle, grids.prompts, out, say)
+    say(f"prompt rows {', '.join(f'{k} {tuple(v.shape)}' for k, v in rows.items())} ({time.time() - t0:.0f} s)")
+    train_ref = ray.put(worker_arrays(train_set, rows))
+    heldout_ref = ray.put(worker_arrays(heldout_set, rows)) if len(heldout_set) else None
 
     t_train = time.time()
-    checkpoint, workers = fit(cfg, out, family_of(bundle), train_ref, heldout_ref, say)
+    checkpoint, workers = fit(cfg, out, family, train_ref, heldout_ref, say)
     state = read_state(checkpoint)
     if state is None or int(state["step"]) != cfg.train.steps:
         raise JobError(f"training ended without a final checkpoint (step {state and state['step']})", EXIT_TRAINING_FAILED)
     train_s = time.time() - t_train
-    drafter = drafter_from_state(state)
+    drafter = drafter_from_state(state, family, bundle.target)
     say(f"trained to step {state['step']} in {train_s / 60:.1f} min on this run")
 
     evaluation = []
@@ -446,14 +464,14 @@ def _run_on_ray(cfg: TrainDrafterConfig, out: Storage, bundle, say, t_job: float
                                     cfg.eval.batch_size, max_tokens=cfg.eval.max_tokens, on_record=show)
     last = state["metrics"][-1] if state["metrics"] else {}
     provenance = {
-        "job": "jobs.train_drafter", "config": json.loads(cfg.to_json()), "family": family_of(bundle),
+        "job": "jobs.train_drafter", "config": json.loads(cfg.to_json()), "family": family,
         "data": {"uri": data_store.uri, "grids": len(grids), "train": len(train_set), "heldout": len(heldout_set),
                  "failed": grids.failed, "prompts": len(grids.prompts)},
         "training": {"steps": int(state["step"]), "workers": workers, "final_metrics": last,
                      "wall_s_this_run": train_s, "checkpoints": out.uri_for(cfg.run_name)},
         "evaluation": evaluation,
     }
-    written = export(cfg, out, bundle, drafter, provenance)
+    written = export(cfg, out, bundle, drafter, provenance, family)
     result = {"status": "done", "config_hash": cfg.config_hash(), **written, "metrics": out.uri_for("metrics.jsonl"),
               "steps": int(state["step"]), "evaluation": evaluation, "job_wall_s_this_run": time.time() - t_job}
     out.put_text(RESULT_FILE, json.dumps(result, indent=2, default=str) + "\n", "application/json")

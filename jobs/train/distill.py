@@ -9,8 +9,9 @@ reused as it is.
 
 `load_grids` reads the ok rows of that telemetry into a `GridSet` and refuses what cannot be
 trained on (no rows, every row failed, ids outside the codebook, another grid). `encode_prompts`
-turns the distinct prompts into the target's caption rows once, on the driver (the bundle's
-text encoder; cached beside the data); the workers receive arrays, not a text encoder.
+turns the distinct prompts into LlamaGen's caption rows once, on the driver (the bundle's
+text encoder; cached beside the data); a token family's prompt rows come from its prompter
+(jobs/train/token_pairs.py); the workers receive arrays, not a text encoder or a tokenizer.
 """
 
 from __future__ import annotations
@@ -153,9 +154,10 @@ def cached_captions(store: Storage, encoder, spec: dict, prompts: list[str],
     return states, masks
 
 
-def worker_arrays(data: GridSet, states: np.ndarray, masks: np.ndarray) -> dict[str, np.ndarray]:
-    """What a training worker needs (numpy, for the object store)."""
-    return {"tokens": data.tokens.numpy(), "prompt": data.prompt.numpy(), "states": states, "masks": masks}
+def worker_arrays(data: GridSet, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """What a training worker needs (numpy, for the object store): the grids, their prompt index
+    and the head type's per-prompt arrays (jobs/train/heads.py `prompt_arrays`)."""
+    return {"tokens": data.tokens.numpy(), "prompt": data.prompt.numpy(), **rows}
 
 
 def table_of(data: GridSet) -> pa.Table:

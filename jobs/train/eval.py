@@ -64,10 +64,11 @@ def acceptance(bundle, drafter: Drafter | None, prompts: Sequence[str], seeds: S
     return out
 
 
-def drafter_from_state(state: dict) -> Drafter:
-    drafter = Drafter(DrafterConfig(**state["drafter_config"]))
-    drafter.load_state_dict(state["model"], strict=True)
-    return drafter.eval()
+def drafter_from_state(state: dict, family: str = "llamagen", target=None):
+    """The drafter of a training checkpoint's state (its family's head type; Janus' needs the target)."""
+    from jobs.train.heads import HEADS
+
+    return HEADS[family].from_state(state, target)
 
 
 def load_drafter_path(path: Path) -> Drafter:

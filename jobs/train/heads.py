@@ -1,46 +1,115 @@
 """Drafter head types by model family: what jobs.train_drafter needs to train a family's drafter.
 
-A head type gives three functions:
+A head type gives:
 
-    build(target, ffn_dim)                        -> a fresh drafter for this target (nn.Module)
-    states(target, tokens, captions, cmask, device, amp)
-                                                  -> (tokens (2B, L), hidden (2B, T + L - 1, dim) fp32):
-                                                     one teacher-forced forward over the cond rows and
-                                                     the uncond rows (both CFG rows are drafted)
-    head(target)                                  -> the target's output head (features -> logits over codes)
+    build(target, ffn_dim)      -> a fresh drafter for this target (nn.Module with .config)
+    prompt_arrays(bundle, prompts, store, say)
+                                -> per-prompt numpy arrays the workers receive (driver side, once):
+                                   LlamaGen's caption states + masks; a token family's CFG id rows
+    pairs(target, drafter, codes (B, L), rows, device, amp, noise, g)
+                                -> (f, h) each (2B, L - 1, dim): the drafter's features and the
+                                   target's hidden states they regress, cond rows then uncond rows,
+                                   from one teacher-forced target forward (both CFG rows are drafted)
+    head(target)                -> the target's output head (features -> logits over codes)
+    from_state(state, target)   -> the drafter of a training checkpoint's state (eval)
+    config_dict(drafter)        -> the exported component's config.json
 
-`family_of(bundle)` names a bundle's family from its target's type. A family missing from
-HEADS is refused by the job (exit 9); adding one is adding an entry here.
+`family_of(bundle)` names a bundle's family. A family missing from HEADS is refused by the job
+(exit 9); adding one is adding an entry here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-from jobs.train.drafter import build_drafter, target_states
+from jobs.train import token_pairs
+from jobs.train.drafter import build_drafter, drafter_outputs, target_states
 
 
 @dataclass(frozen=True)
 class HeadType:
     name: str
     build: Callable
-    states: Callable
+    prompt_arrays: Callable
+    pairs: Callable
     head: Callable
+    from_state: Callable
+    config_dict: Callable
     description: str
 
 
+# ---- LlamaGen: caption rows, the project's Drafter -----------------------------------------
+def _llamagen_arrays(bundle, prompts, store=None, say=print):
+    from jobs.train.distill import cached_captions
+
+    enc = bundle.text_encoder
+    spec = enc.config() if hasattr(enc, "config") else {"type": type(enc).__name__}
+    if store is None:
+        from jobs.train.distill import encode_prompts
+
+        states, masks = encode_prompts(enc, prompts, say=say)
+    else:
+        states, masks = cached_captions(store, enc, spec, prompts, say)
+    return {"states": states, "masks": masks}
+
+
+def _llamagen_pairs(target, drafter, codes, rows, device, amp, noise, g):
+    captions = rows["states"].float()
+    tok, hidden = target_states(target, codes, captions, rows["masks"], device, amp)
+    return drafter_outputs(drafter, tok, hidden, captions.shape[1], noise, g)
+
+
+def _llamagen_from_state(state, target=None):
+    from adt_core.models.drafter import Drafter, DrafterConfig
+
+    drafter = Drafter(DrafterConfig(**state["drafter_config"]))
+    drafter.load_state_dict(state["model"], strict=True)
+    return drafter.eval()
+
+
 LLAMAGEN = HeadType(
-    "llamagen", build_drafter, target_states, lambda target: target.head,
+    "llamagen", build_drafter, _llamagen_arrays, _llamagen_pairs, lambda target: target.head, _llamagen_from_state,
+    lambda drafter: dataclasses.asdict(drafter.config),
     "adt_core.models.drafter.Drafter: one decoder layer over fc([token embedding; feature]), the target's "
     "widths and 2-D RoPE, its token embedding copied and frozen; logits through the target's head",
 )
 
-HEADS: dict[str, HeadType] = {"llamagen": LLAMAGEN}
+
+# ---- Janus: token rows, JanusDrafter over the target's image input path and gen_head ------
+def _janus_build(target, ffn_dim=None):
+    from adt_core.models.janus_drafter import new_drafter
+
+    return new_drafter(target, **({"intermediate_size": ffn_dim} if ffn_dim else {}))
+
+
+def _janus_from_state(state, target):
+    from adt_core.models.janus_drafter import JanusDrafter, JanusDrafterConfig
+
+    drafter = JanusDrafter(JanusDrafterConfig.from_dict(state["drafter_config"], "checkpoint"), target)
+    drafter.load_state_dict(state["model"], strict=True)
+    p = target.gen_embed.weight
+    return drafter.to(p.device).eval()
+
+
+JANUS = HeadType(
+    "janus", _janus_build, token_pairs.prompt_arrays, token_pairs.pairs, lambda target: target.head,
+    _janus_from_state, lambda drafter: drafter.config.to_dict(),
+    "adt_core.models.janus_drafter.JanusDrafter: one Llama layer (no input norm) over fc([image input path "
+    "(gen_embed + gen_aligner); feature]), the target's widths and 1-D RoPE; logits through the target's "
+    "gen_head; embedding and head stay the target's (10 tensors trained)",
+)
+
+HEADS: dict[str, HeadType] = {"llamagen": LLAMAGEN, "janus": JANUS}
 
 
 def family_of(bundle) -> str:
-    """'llamagen' for a LlamaGen target, else the target's class name (a family without a head here)."""
+    """'llamagen' for a LlamaGen target, the bundle's family for another family's bundle, else the
+    target's class name (a family without a head here)."""
     from adt_core.models.gpt import LlamaGenGPT
 
-    return "llamagen" if isinstance(bundle.target, LlamaGenGPT) else type(bundle.target).__name__
+    if isinstance(bundle.target, LlamaGenGPT):
+        return "llamagen"
+    family = getattr(bundle, "family", "llamagen")
+    return family if family != "llamagen" else type(bundle.target).__name__

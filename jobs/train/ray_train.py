@@ -1,15 +1,16 @@
 """The distributed training loop: one Ray Train worker per GPU (CPU workers when there are none),
 DDP over the drafter (gloo on CPU, nccl on GPU), the frozen target inside every step.
 
-Each worker loads the bundle's target (frozen, fp32) and a fresh drafter (`build_drafter`: the
-target's widths, its token embedding copied and frozen), then for step s = start .. steps - 1:
+Each worker loads the bundle's target (frozen, fp32) and a fresh drafter of the family's head
+type (jobs/train/heads.py: LlamaGen's `build_drafter`, Janus' `new_drafter`), then for step
+s = start .. steps - 1 (`train_loop`, which runs without Ray too):
 
     images   = batch_indices(N, s, batch_size, seed + 1)[rank::world]      # this rank's share
-    h        = target(tokens, cond captions + uncond rows)                  # one teacher-forced forward
-    f        = drafter(token_p, h_{p-1} + U(-noise, noise))                 # both CFG rows
+    f, h     = kind.pairs(target, drafter, tokens, prompt rows, noise)      # one teacher-forced target
+                                                                            # forward, both CFG rows
     loss     = SmoothL1(f, h) + ce_weight * CE(softmax(head(h)), log_softmax(head(f)))
 
-(jobs/train/drafter.py defines the pieces; jobs/train/heads.py picks them by model family).
+(f: the drafter's output for (token p, h_{p-1} + U(-noise, noise)); h: the target's h_p.)
 Batches and noise are functions of the step and the rank alone, so a run resumed from a
 checkpoint takes the steps an uninterrupted run takes.
 
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from jobs.train.drafter import drafter_outputs, losses
+from jobs.train.drafter import losses
 from jobs.train.heads import HEADS
 from jobs.train.target import adamw, autocast, lr_at
 from jobs.train.tokenizer import batch_indices
@@ -66,22 +67,23 @@ def _fault(spec: str, rank: int, step: int) -> None:
 
 
 class Shard:
-    """The training grids as tensors: tokens (N, L), caption index (N,), caption rows (P, T, C), masks (P, T)."""
+    """The training grids as tensors: tokens (N, L), prompt index (N,), and the head type's
+    per-prompt arrays (LlamaGen: caption states (P, T, C) and masks (P, T); a token family: its
+    CFG id rows, jobs/train/token_pairs.py), indexed by prompt."""
 
     def __init__(self, arrays: dict[str, np.ndarray]) -> None:
         # copies: the object store's arrays are read-only
         self.tokens = torch.tensor(np.asarray(arrays["tokens"]), dtype=torch.long)
         self.prompt = torch.tensor(np.asarray(arrays["prompt"]), dtype=torch.long)
-        self.states = torch.tensor(np.asarray(arrays["states"]))
-        self.masks = torch.tensor(np.asarray(arrays["masks"]), dtype=torch.bool)
+        self.rows = {k: torch.tensor(np.asarray(v)) for k, v in arrays.items() if k not in ("tokens", "prompt")}
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
-    def batch(self, images: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """images (B,) -> tokens (B, L), captions (B, T, C) fp32, caption masks (B, T)."""
-        rows = self.prompt[images]
-        return (self.tokens[images].to(device), self.states[rows].float().to(device), self.masks[rows].to(device))
+    def batch(self, images: torch.Tensor, device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """images (B,) -> tokens (B, L) and each per-prompt array at the images' prompts (B, ...)."""
+        idx = self.prompt[images]
+        return self.tokens[images].to(device), {k: v[idx].to(device) for k, v in self.rows.items()}
 
 
 def _load_state(checkpoint) -> dict | None:
@@ -121,16 +123,14 @@ def _mean_across(values: dict[str, float], world: int) -> dict[str, float]:
 
 
 @torch.no_grad()
-def agreement(kind, target, drafter, data: Shard, t: int, device, amp: str, batch_size: int = 16) -> dict[str, float]:
+def agreement(kind, target, drafter, data: Shard, device, amp: str, batch_size: int = 16) -> dict[str, float]:
     """Top-1 agreement of head(f) with head(h) and feature smooth-L1 on held-out grids (no noise)."""
     drafter.eval()
     sums = {"heldout_agree_cond": 0.0, "heldout_agree_uncond": 0.0, "heldout_smooth_l1": 0.0}
     n = 0
     for i in range(0, len(data), batch_size):
-        tokens, captions, cmask = data.batch(torch.arange(i, min(i + batch_size, len(data))), device)
-        tok, hidden = kind.states(target, tokens, captions, cmask, device, amp)
-        with autocast(device, amp):
-            f, h = drafter_outputs(drafter, tok, hidden, t, 0.0, None)
+        tokens, rows = data.batch(torch.arange(i, min(i + batch_size, len(data))), device)
+        f, h = kind.pairs(target, drafter, tokens, rows, device, amp, 0.0, None)
         head = kind.head(target)
         same = head(f.float()).argmax(-1) == head(h).argmax(-1)  # (2B, n)
         b = tokens.shape[0]
@@ -148,37 +148,45 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
+    from pipeline.config import StorageSettings
     from pipeline.storage import open_storage
     from pipeline.worker import load_bundle_spec
-    from pipeline.config import StorageSettings
 
-    tc = config["train"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(int(config["threads_per_worker"]))
-    device = ray.train.torch.get_device()
-    amp = tc["amp"]
     train = Shard(ray.get(config["train_ref"]))
     heldout = Shard(ray.get(config["heldout_ref"])) if config.get("heldout_ref") is not None else None
     storage = StorageSettings.model_validate(config["storage"])
     bundle = load_bundle_spec(config["bundle"], storage)
-    target = bundle.target.float().to(device).eval().requires_grad_(False)
-    t = train.states.shape[1]
+    out = open_storage(config["out"], storage) if rank == 0 else None
+    state = read_state(ray.train.get_checkpoint())
+    if state is not None and rank == 0:
+        print(f"[train] resuming at step {int(state['step'])} from the latest checkpoint", flush=True)
+    train_loop(config, bundle.target, train, heldout, ray.train.torch.get_device(), rank, world, state,
+               _save_and_report, out, prepare=ray.train.torch.prepare_model if world > 1 else None)
 
+
+def train_loop(config: dict[str, Any], target, train: Shard, heldout: Shard | None, device, rank: int = 0,
+               world: int = 1, state: dict | None = None, report=None, out=None, prepare=None) -> dict:
+    """The training steps of one worker, without Ray: the frozen target, a fresh drafter of the
+    family's head type (or `state`'s, to resume), steps state.step .. train.steps - 1. At each
+    log / checkpoint step `report(metrics, state | None)` is called (Ray Train's report on a
+    worker; any callable in process), rank 0 writes metrics.jsonl to `out` when given.
+    `prepare` wraps the drafter for DDP. Returns the last state (rank 0's checkpoint content)."""
+    tc = config["train"]
+    amp = tc["amp"]
+    target = target.float().to(device).eval().requires_grad_(False)
     torch.manual_seed(tc["seed"])  # every rank builds the same initial drafter
     kind = HEADS[config["family"]]
     drafter = kind.build(target, tc["ffn_dim"]).to(device).train()
     opt = adamw(drafter, tc["lr"], tc["weight_decay"])
-    state = read_state(ray.train.get_checkpoint())
     step, history = 0, []
     if state is not None:
         drafter.load_state_dict(state["model"], strict=True)
         opt.load_state_dict(state["optimizer"])
         step, history = int(state["step"]), list(state["metrics"])
-        if rank == 0:
-            print(f"[train] resuming at step {step} from the latest checkpoint", flush=True)
-    model = ray.train.torch.prepare_model(drafter) if world > 1 else drafter
-    out = open_storage(config["out"], storage) if rank == 0 else None
+    model = prepare(drafter) if prepare is not None else drafter
 
     steps, bs = tc["steps"], tc["batch_size"]
     window: list[dict[str, float]] = []
@@ -187,13 +195,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if config.get("fault"):
             _fault(config["fault"], rank, step)
         images = batch_indices(len(train), step, bs, tc["seed"] + 1)[rank::world]
-        tokens, captions, cmask = train.batch(images, device)
+        tokens, rows = train.batch(images, device)
         g = torch.Generator().manual_seed(tc["seed"] * 7919 + step * world + rank)
-        tok, hidden = kind.states(target, tokens, captions, cmask, device, amp)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, tc["lr"], tc["warmup"], tc["final_lr_frac"])
-        with autocast(device, amp):
-            f, h = drafter_outputs(model, tok, hidden, t, tc["noise"], g)
+        f, h = kind.pairs(target, model, tokens, rows, device, amp, tc["noise"], g)
         parts = losses(kind.head(target), f, h, tc["ce_weight"])
         opt.zero_grad(set_to_none=True)
         parts["loss"].backward()
@@ -216,13 +222,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             window, t_log, s_log = [], now, step
         if rank == 0 and heldout is not None and len(heldout) and tc["eval_every"] and \
                 (step % tc["eval_every"] == 0 or last):
-            record |= agreement(kind, target, drafter, heldout, t, device, amp)
+            record |= agreement(kind, target, drafter, heldout, device, amp)
         if rank == 0:
             history.append(record)
-            out.put_text(METRICS_FILE, "".join(json.dumps(r) + "\n" for r in history), "application/x-ndjson")
+            if out is not None:
+                out.put_text(METRICS_FILE, "".join(json.dumps(r) + "\n" for r in history), "application/x-ndjson")
         state = None
         if ckpt_now and rank == 0:
             state = {"model": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                     "metrics": history, "drafter_config": drafter.config.to_dict()}
-        _save_and_report({k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)},
-                         state)
+                     "metrics": history, "drafter_config": kind.config_dict(drafter)}
+        if report is not None:
+            report({k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}, state)
+    return {"model": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step, "metrics": history,
+            "drafter_config": kind.config_dict(drafter)}
