@@ -29,6 +29,10 @@ def test_manifest_names_the_hub_checkpoint_licence_and_defaults():
     assert m["license"]["model"].startswith("DeepSeek License Agreement") and m["license"]["code"] == "MIT"
     assert SamplingConfig(**m["sampling"]) == SamplingConfig(**JANUS_SAMPLING)
     assert m["dtype"] == "bfloat16"
+    from adt_core.models.loader import read_any_manifest
+
+    parsed = read_any_manifest(MANIFEST)  # the family manifest schema, nothing fetched
+    assert parsed.family == "janus" and parsed.prompt["grid"] == 24 and "drafter" not in parsed.parts
 
 
 @pytest.fixture(scope="module")
