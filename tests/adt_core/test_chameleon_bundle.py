@@ -11,30 +11,15 @@ from adt_core import DecodeConfig, Generator, LanternConfig, TreeConfig, load_bu
 from adt_core.calibrate import CostTable
 from adt_core.memory import GB, bundle_plan
 from adt_core.models.checkpoints import CheckpointError
-from adt_core.models.family_bundle import write_family_bundle
-
-from chameleon_fixtures import make_drafter, make_hf_chameleon, make_tokenizer, make_vqgan
 
 CODES = 8192
 COSTS = CostTable({1: 1.0, 8: 1.5, 64: 10.0}, draft_level_ms=0.2, draft={1: 0.2, 64: 0.4})
 
 
 def shifted_table(k: int = 8) -> np.ndarray:
-    """Row c: codes c + 1 .. c + k (mod V): a table no codebook would give, so its use shows."""
+    """Row c: codes c + 1 .. c + k (mod V): a table no codebook would give, so its use shows
+    (the one the `anole_dir` fixture of conftest.py ships in its drafter directory)."""
     return ((np.arange(CODES)[:, None] + 1 + np.arange(k)[None]) % CODES).astype(np.uint16)
-
-
-@pytest.fixture(scope="module")
-def anole_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("anole_bundle")
-    make_hf_chameleon(root / "target", seed=3)
-    make_tokenizer(root / "target" / "tokenizer.json")
-    make_vqgan(root / "vq", n_embed=CODES, attn_type=None)
-    make_drafter(root / "drafter", root / "target")
-    np.save(root / "drafter" / "top_8191_indices.npy", shifted_table())
-    write_family_bundle(root, "tiny-anole", "chameleon", {"target": "target", "drafter": "drafter", "vq": "vq"},
-                        {"layout": "anole"})
-    return root
 
 
 def test_meta_load_checks_every_part_and_reads_no_weights(anole_dir):

@@ -16,7 +16,6 @@ from adt_core.models.family_manifest import read_family_manifest
 from adt_core.models.loader import read_any_manifest
 from adt_core.models.sources import ManifestError, split_hf
 
-from chameleon_fixtures import make_drafter, make_hf_chameleon, make_tokenizer, make_vqgan
 from test_hub_cache import put_in_hub_cache
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "infra" / "manifests"
@@ -63,24 +62,24 @@ def test_manifest_errors_name_the_field(tmp_path):
 
 
 @pytest.fixture
-def anole_hub(tmp_path, monkeypatch):
-    """Tiny Anole files under the repository ids the shipped manifest names, in a tmp Hub
-    cache; offline, and no socket may connect."""
+def anole_hub(anole_dir, tmp_path, monkeypatch):
+    """The tiny Anole files (conftest.py) under the repository ids the shipped manifest names,
+    in a tmp Hub cache; offline, and no socket may connect."""
+    import torch
     from huggingface_hub import constants
+    from safetensors.torch import load_file
 
-    src = tmp_path / "src"
-    make_hf_chameleon(src / "target", seed=5)
-    make_tokenizer(src / "target" / "tokenizer.json")
-    make_vqgan(src / "vq", n_embed=8192, attn_type=None)
-    make_drafter(src / "drafter", src / "target", fmt="bin")  # jadohu/anole_drafter: pytorch_model.bin
-    table = ((np.arange(8192)[:, None] + 1 + np.arange(8)[None]) % 8192).astype(np.uint16)
-    np.save(src / "top_8191_indices.npy", table)
+    bin_dir = tmp_path / "drafter_bin"  # jadohu/anole_drafter holds pytorch_model.bin
+    bin_dir.mkdir()
+    torch.save(load_file(str(anole_dir / "drafter" / "model.safetensors")), bin_dir / "pytorch_model.bin")
+    drafter = {"config.json": anole_dir / "drafter" / "config.json", "pytorch_model.bin": bin_dir / "pytorch_model.bin"}
+    files = lambda d: {f.name: f for f in sorted((anole_dir / d).iterdir())}  # noqa: E731
     hub_dir = tmp_path / "hf_home" / "hub"
-    files = lambda d: {f.name: f for f in sorted((src / d).iterdir())}  # noqa: E731
     put_in_hub_cache(hub_dir, "leloy/Anole-7b-v0.1-hf", files("target"))
     put_in_hub_cache(hub_dir, "GAIR/Anole-7b-v0.1", {f"tokenizer/{k}": v for k, v in files("vq").items()})
-    put_in_hub_cache(hub_dir, "jadohu/anole_drafter", files("drafter"))
-    put_in_hub_cache(hub_dir, "sihwanpark/LANTERN-Lumina-mGPT-7B-768", {"top_8191_indices.npy": src / "top_8191_indices.npy"})
+    put_in_hub_cache(hub_dir, "jadohu/anole_drafter", drafter)
+    table = anole_dir / "drafter" / "top_8191_indices.npy"
+    put_in_hub_cache(hub_dir, "sihwanpark/LANTERN-Lumina-mGPT-7B-768", {"top_8191_indices.npy": table})
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub_dir))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
 
@@ -89,7 +88,7 @@ def anole_hub(tmp_path, monkeypatch):
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket, "create_connection", refuse)
-    return table
+    return np.load(table)
 
 
 def test_shipped_anole_manifest_resolves_offline_through_the_job(anole_hub):
