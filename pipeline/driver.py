@@ -190,6 +190,8 @@ def _run(cfg: JobConfig, stream: TextIO, signals: _Signals, worker: type) -> Job
     cfg = _absolute(cfg)
     check_engine_config(cfg)
     memory = plan_job_memory(cfg, check_bundle(cfg))  # before Ray: a plan without one image is refused
+    if memory is not None and memory.images < cfg.decode.batch_size:  # memory caps the engine batch
+        cfg = cfg.model_copy(update={"decode": cfg.decode.model_copy(update={"batch_size": memory.images})})
     try:
         output = open_storage(cfg.output, cfg.storage)
         source = open_prompts(cfg.input, cfg.storage)

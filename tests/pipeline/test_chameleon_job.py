@@ -75,18 +75,25 @@ def test_local_then_s3_output(lumina_dir, tmp_path, ray_session, s3):
     tel = pa.parquet.read_table(str(tmp_path / "out" / "telemetry")).to_pylist()
     assert {r["status"] for r in tel} == {"ok"} and {r["bundle"] for r in tel} == {"tiny-lumina"}
 
+    # a device that holds two images: the plan, not decode.batch_size (64), sets what is in flight
+    from adt_core import DecodeConfig, load_bundle
+    from adt_core.memory import bundle_plan
+
+    probe = bundle_plan(load_bundle(lumina_dir), DecodeConfig(method="ar", cfg_scale=3.0), 10**12)
+    device_gb = (probe.weights_total + probe.workspace_bytes + 2.5 * probe.per_image) / 0.92 / 1e9
     settings = StorageSettings(endpoint_url=s3.endpoint)
     open_storage(f"s3://{s3.bucket}/prompts", settings).write_parquet("p.parquet", pa.Table.from_pylist(rows))
     code, out, err = generate("--bundle", str(lumina_dir), "--input", f"s3://{s3.bucket}/prompts",
                               "--output", f"s3://{s3.bucket}/runs/lumina", "--storage.endpoint-url", s3.endpoint,
                               "--decode.method", "ar", "--decode.temperature", "0", "--decode.cfg-scale", "3.0",
-                              "--decode.batch-size", "2")
+                              "--device-memory-gb", f"{device_gb:.9f}")
     assert code == 0, err + out
     store = open_storage(f"s3://{s3.bucket}/runs/lumina", settings)
     keys = set(store.list_keys())
     assert {"job.json", "summary.json", "memory_plan.json"} <= keys
     plan = json.loads(store.get_text("memory_plan.json"))
-    assert (plan["images"], plan["batch_size"], plan["rows_per_image"]) == (2, 2, 2)  # CFG 3: two rows
+    assert (plan["images"], plan["batch_size"], plan["rows_per_image"]) == (2, 64, 2)  # CFG 3: two rows
+    assert "2 in flight per actor" in out and "(cpu, 2 in flight)" in out + err
     s3_images = sorted(k for k in keys if k.startswith("images/") and k.endswith(".png"))
     assert len(s3_images) == 3
     # greedy: the same prompts give the same images whatever the method and the batch (cfg differs
