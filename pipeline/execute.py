@@ -14,6 +14,7 @@ default 128 MiB block fills, and that target would split the prompt read into on
 from __future__ import annotations
 
 import math
+import re
 import signal
 from dataclasses import dataclass
 from typing import Callable, Optional, TextIO
@@ -21,6 +22,7 @@ from typing import Callable, Optional, TextIO
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.checks import JobRefused
 from pipeline.cluster import ActorPlan, autoscaler_max_resources, plan_actors, plan_gpu_demand, ray_target, wait_for_gpus
 from pipeline.config import JobConfig
 from pipeline.ledger import Ledger
@@ -76,6 +78,22 @@ def _dataset_failure(err: BaseException, source: PromptSource) -> Optional[Stora
     if any(t in text for t in ("NETWORK_CONNECTION", "curlCode", "Connection refused")):
         return StorageUnavailable(source.uri, f"reading prompts failed: {text.strip().splitlines()[-1][:300]}")
     return None
+
+
+def memory_refusal(err: BaseException) -> Optional[JobRefused]:
+    """An actor whose memory plan does not fit one image (adt_core.memory.MemoryPlanError, as
+    Ray hands it back) -> the job's refusal in one line (exit 2): nothing was decoded."""
+    from adt_core.memory import MemoryPlanError
+
+    seen: set[int] = set()
+    e: Optional[BaseException] = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, MemoryPlanError):
+            return JobRefused(f"an actor's memory plan: {str(e).strip().splitlines()[-1]}")
+        e = e.__cause__ or e.__context__
+    found = re.search(r"MemoryPlanError: (.+)", str(err))
+    return JobRefused(f"an actor's memory plan: {found.group(1).strip()}") if found else None
 
 
 def execute(run: PoolRun) -> ActorPlan:
@@ -163,6 +181,9 @@ def _pump(run: PoolRun, plan: ActorPlan) -> None:
         outage = _dataset_failure(e, run.source)
         if outage is not None:
             raise outage from e
+        refused = memory_refusal(e)
+        if refused is not None:
+            raise refused from None
         raise
     finally:
         try:

@@ -143,3 +143,22 @@ def test_a_device_too_small_for_one_image_exits_2(lumina_dir, tmp_path):
                               "--device-memory-gb", "0.001")
     assert code == 2 and "not one image fits: the 0.0 GB device" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_an_actors_memory_plan_error_is_a_refusal():
+    """When only the actors know their device (a remote GPU cluster), a plan without one image
+    comes back from Ray as the pool's failure: the driver turns it into exit 2 (checked by hand
+    through Ray: `error: an actor's memory plan: not one image fits: ...`, exit code 2)."""
+    from adt_core.memory import MemoryPlanError
+    from pipeline.execute import memory_refusal
+
+    try:
+        try:
+            raise MemoryPlanError("not one image fits: the 8.0 GB device leaves 0.00 GB")
+        except MemoryPlanError as inner:
+            raise RuntimeError("actor died") from inner
+    except RuntimeError as wrapped:
+        assert str(memory_refusal(wrapped)) == "an actor's memory plan: not one image fits: the 8.0 GB device leaves 0.00 GB"
+    text = RuntimeError("Traceback ...\nadt_core.memory.MemoryPlanError: not one image fits: x\n(more)")
+    assert str(memory_refusal(text)) == "an actor's memory plan: not one image fits: x"
+    assert memory_refusal(RuntimeError("something else")) is None
