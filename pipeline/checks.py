@@ -149,20 +149,20 @@ def _device_bytes(cfg: JobConfig) -> tuple[int | None, str]:
 
 
 def plan_job_memory(cfg: JobConfig, bundle):
-    """The memory plan (adt_core.memory) of this job's bundle and decode config on one actor's
-    device, made before Ray starts: how many images each actor keeps in flight. None when the
-    driver cannot know the bundle's shapes (a manifest) or the device (a remote GPU cluster
-    without --device-memory-gb): each actor then plans on its own device. A plan that does not
-    fit one image is refused (exit 2)."""
+    """(plan, where the device size came from): the memory plan (adt_core.memory) of this job's
+    bundle and decode config on one actor's device, made before Ray starts: how many images each
+    actor keeps in flight. The plan is None when the driver cannot know the bundle's shapes (a
+    manifest) or the device (a remote GPU cluster without --device-memory-gb): each actor then
+    plans on its own device. A plan that does not fit one image is refused (exit 2)."""
     from adt_core.memory import MemoryPlanError, bundle_plan
 
-    device_bytes, _ = _device_bytes(cfg)
+    device_bytes, source = _device_bytes(cfg)
     if bundle is None or device_bytes is None:
-        return None
+        return None, source
     try:
-        return bundle_plan(bundle, cfg.decode.engine_config("cpu"), device_bytes)
+        return bundle_plan(bundle, cfg.decode.engine_config("cpu"), device_bytes), source
     except MemoryPlanError as e:
-        raise JobRefused(f"bundle {cfg.bundle!r}: {e}") from None
+        raise JobRefused(f"bundle {cfg.bundle!r}: {e} (device size from {source})") from None
 
 
 def actor_memory_plan(cfg: JobConfig, bundle, device: str):

@@ -100,7 +100,8 @@ class JobConfig(_Strict):
     )
     bundle: str = Field(
         "emoji16",
-        description="Model bundle: an embedded name, a directory path, or 'random[:seed]' (tiny random weights, for tests).",
+        description="Model bundle: an embedded name, a bundle directory, a manifest (YAML / JSON naming published "
+        "checkpoints, e.g. infra/manifests/anole_7b.yaml), or 'random[:seed]' (tiny random weights, for tests).",
     )
     decode: DecodeSection = Field(
         default_factory=DecodeSection,

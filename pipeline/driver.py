@@ -189,7 +189,7 @@ def _run(cfg: JobConfig, stream: TextIO, signals: _Signals, worker: type) -> Job
     quiet_progress_bars(show=cfg.progress)
     cfg = _absolute(cfg)
     check_engine_config(cfg)
-    memory = plan_job_memory(cfg, check_bundle(cfg))  # before Ray: a plan without one image is refused
+    memory, device_source = plan_job_memory(cfg, check_bundle(cfg))  # before Ray: a plan without one image is refused
     if memory is not None and memory.images < cfg.decode.batch_size:  # memory caps the engine batch
         cfg = cfg.model_copy(update={"decode": cfg.decode.model_copy(update={"batch_size": memory.images})})
     try:
@@ -209,7 +209,7 @@ def _run(cfg: JobConfig, stream: TextIO, signals: _Signals, worker: type) -> Job
         raise JobRefused(str(e), EXIT_OUTPUT_BUSY) from None
     run = _Run(cfg, stream, _Printer(stream), signals, output, source, run_id, lease, worker, t_job, bool(existing))
     try:
-        _memory_plan(run, memory)
+        _memory_plan(run, memory, device_source)
         _select(run)
         _generate(run)
         _finish_outputs(run)
@@ -218,14 +218,15 @@ def _run(cfg: JobConfig, stream: TextIO, signals: _Signals, worker: type) -> Job
         lease.release()
 
 
-def _memory_plan(run: _Run, plan: Any) -> None:
+def _memory_plan(run: _Run, plan: Any, device_source: str) -> None:
     """The memory plan in one line, and memory_plan.json beside job.json (each actor plans
     again on its own device and keeps at most that many images in flight)."""
     if plan is None:
         run.say("memory plan: made by each actor on its own device (give --device-memory-gb to plan here)")
         return
-    run.say(plan.line())
-    doc = {"run_id": run.run_id, "bundle": run.cfg.bundle, "method": run.cfg.decode.method, **plan.to_dict()}
+    run.say(f"{plan.line()} (device size from {device_source})")
+    doc = {"run_id": run.run_id, "bundle": run.cfg.bundle, "method": run.cfg.decode.method,
+           "device_size_from": device_source, **plan.to_dict()}
     run.output.put_text(MEMORY_PLAN, json.dumps(doc, indent=2) + "\n", "application/json")
 
 
