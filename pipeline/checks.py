@@ -94,9 +94,12 @@ def check_bundle(cfg: JobConfig):
     files) and the manifest parsed. Refusals name the install command. Returns the bundle
     when one was loaded (the memory plan reads it), else None."""
     if cfg.bundle == "random" or cfg.bundle.startswith("random:"):
+        import torch
+
         from adt_core import random_bundle
 
-        return random_bundle(seed=int(cfg.bundle.partition(":")[2] or 0))
+        with torch.random.fork_rng(devices=[]):  # random_bundle seeds torch: not this process's RNG
+            return random_bundle(seed=int(cfg.bundle.partition(":")[2] or 0))
     from adt_core import load_bundle
     from adt_core.models.bundle import resolve_bundle_dir
 
