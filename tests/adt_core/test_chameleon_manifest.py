@@ -17,6 +17,7 @@ from adt_core.models.loader import read_any_manifest
 from adt_core.models.sources import ManifestError, split_hf
 
 from test_hub_cache import put_in_hub_cache
+from test_manifest import s3  # noqa: F401 - a fixture (a bucket on the session's moto server)
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "infra" / "manifests"
 ADT_TREE_SAMPLING = SamplingConfig(temperature=1.0, top_k=2000, top_p=1.0, cfg_scale=3.0)
@@ -104,3 +105,29 @@ def test_shipped_anole_manifest_resolves_offline_through_the_job(anole_hub):
     assert torch.equal(bundle.neighbour_table(3), torch.from_numpy(anole_hub[:, :3].astype(np.int64)))
     rows = bundle.prompter.rows(["an apple"], cfg=True)
     assert rows.tokens[1, :2].tolist() == [0, 8197]  # uncond: BOS + image start
+
+
+def test_a_family_manifest_reads_s3_copies(anole_dir, s3, tmp_path):
+    """The same parts from an S3 prefix (moto on loopback), the VQGAN's two files by name, with
+    sha256 pinned; then from the local cache."""
+    from adt_core.models.family_manifest import load_family_manifest
+    from adt_core.models.sources import sha256_file
+    from test_manifest import upload_tree
+
+    upload_tree(s3.client, s3.bucket, anole_dir, ["target", "vq", "drafter"], prefix="anole")
+    ckpt = anole_dir / "vq" / "vqgan.ckpt"
+    root = f"s3://{s3.bucket}/anole"
+    manifest = tmp_path / "anole_s3.yaml"
+    manifest.write_text(
+        f"family: chameleon\nname: anole-s3\ncache_dir: {tmp_path / 'cache'}\n"
+        f"target: {root}/target/\ndrafter: {root}/drafter/\n"
+        f"vq: {{path: {root}/vq/, files: [vqgan.yaml, vqgan.ckpt], sha256: {{vqgan.ckpt: {sha256_file(ckpt)}}}}}\n"
+        "prompt: {layout: anole}\nsampling: {temperature: 1.0, top_k: 2000, cfg_scale: 3.0}\n")
+    bundle = load_family_manifest(manifest)
+    assert bundle.name == "anole-s3" and bundle.grid == (32, 32)
+    assert bundle.neighbours is not None and bundle.neighbours.name == "top_8191_indices.npy"  # in the drafter prefix
+    assert (tmp_path / "cache" / "s3" / s3.bucket / "anole" / "vq" / "vqgan.yaml").is_file()
+    bad = manifest.read_text().replace(sha256_file(ckpt), "0" * 64)
+    manifest.write_text(bad.replace(str(tmp_path / "cache"), str(tmp_path / "cache2")))
+    with pytest.raises(Exception, match="sha256"):
+        load_family_manifest(manifest)
