@@ -52,8 +52,9 @@ def sequences(target, codes: torch.Tensor, rows: dict[str, torch.Tensor]):
     b, n = codes.shape
     ids, valid, pos = (torch.cat([rows[k][:, 0], rows[k][:, 1]]) for k in ("ids", "valid", "positions"))
     lengths = torch.cat([rows["lengths"][:, 0], rows["lengths"][:, 1]])  # (R,)
-    r, m = ids.shape
-    s = int(lengths.max()) + n - 1
+    m = int(lengths.max())  # this batch's longest row (the arrays are padded to the whole set's)
+    ids, valid, pos = ids[:, :m], valid[:, :m], pos[:, :m]
+    r, s = ids.shape[0], m + n - 1
     dev = codes.device
     x = torch.zeros(r, s, dtype=torch.long, device=dev)
     x[:, :m] = ids
