@@ -32,6 +32,7 @@ PATCH_PX = 32  # a Lumina size token counts 32 px patches (2 codes)
 DOWNSAMPLE = 16  # pixels per code side (the Chameleon VQGAN)
 MAX_RATIO = 4.0  # Lumina's training crops: longest / shortest side
 ANOLE_PX = 512
+MAX_PROMPT = 512  # prompt entries per row by default (the engine's own default bound)
 TOKENIZER_FILES = ("tokenizer.json", "text_tokenizer.json", "tokenizer/text_tokenizer.json")
 NAMES = {"bos": "<s>", "pad": "<pad>", "image_start": "<racm3:break>", "image_end": "<eoss>",
          "end_of_turn": "<reserved08706>", "end_of_line": "<reserved08799>"}
@@ -138,6 +139,7 @@ class LuminaPrompter:
     height: int = 768
     trained_px: int = 768  # the checkpoint's training size (Lumina-mGPT-7B-768: 768)
     check_size: bool = True  # refuse sizes outside the training crop list
+    max_prompt: int = MAX_PROMPT  # prompt entries a row may hold (the decoder's cache and memory plan)
     layout: Layout = field(init=False)
     vocab: ImageVocab = field(init=False)
 
@@ -170,6 +172,7 @@ class AnolePrompter:
     """Anole prompts: 512 px, 32 x 32 codes, no size or end-of-line tokens."""
 
     tokenizer: ChameleonTokenizer
+    max_prompt: int = MAX_PROMPT  # prompt entries a row may hold (the decoder's cache and memory plan)
     layout: Layout = field(init=False)
     vocab: ImageVocab = field(init=False)
 
@@ -194,21 +197,30 @@ def _rows(prompter, prompts: Sequence[str], cfg: bool) -> PromptRows:
     if not prompts:
         raise ValueError("no prompts")
     rows = [prompter.cond_ids(p) for p in prompts]
+    longest = max(len(r) for r in rows)
+    if longest > prompter.max_prompt:
+        raise ValueError(f"a prompt of {longest} tokens with its template; the bundle holds {prompter.max_prompt} "
+                         "(prompt.max_prompt)")
     if cfg:
         rows += [prompter.uncond_ids() for _ in prompts]
     return token_rows(rows, len(prompts), pad_id=prompter.tokenizer.ids["pad"])
 
 
 def load_prompter(path: str | Path, layout: str = "lumina", width: int | None = None, height: int | None = None,
-                  trained_px: int = 768, check_size: bool = True) -> LuminaPrompter | AnolePrompter:
+                  trained_px: int = 768, check_size: bool = True,
+                  max_prompt: int = MAX_PROMPT) -> LuminaPrompter | AnolePrompter:
     """A prompter over the tokenizer at `path` (file or checkpoint directory).
 
-    layout "lumina": width / height default to trained_px; "anole": 512 x 512 only."""
+    layout "lumina": width / height default to trained_px; "anole": 512 x 512 only. max_prompt:
+    the longest prompt row (template and image head included) a decoder holds; longer prompts
+    fail alone."""
     tok = load_tokenizer(path)
+    if max_prompt < 1:
+        raise ValueError(f"max_prompt {max_prompt} < 1")
     if layout == "lumina":
-        return LuminaPrompter(tok, width or trained_px, height or trained_px, trained_px, check_size)
+        return LuminaPrompter(tok, width or trained_px, height or trained_px, trained_px, check_size, max_prompt)
     if layout == "anole":
         if (width or ANOLE_PX, height or ANOLE_PX) != (ANOLE_PX, ANOLE_PX):
             raise ValueError(f"Anole generates {ANOLE_PX}x{ANOLE_PX} images only, not {width}x{height}")
-        return AnolePrompter(tok)
+        return AnolePrompter(tok, max_prompt)
     raise ValueError(f"unknown Chameleon layout {layout!r} (lumina or anole)")

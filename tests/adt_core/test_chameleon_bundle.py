@@ -86,3 +86,19 @@ def test_a_table_for_another_codebook_is_refused(anole_dir, tmp_path):
     bundle.neighbours = bad
     with pytest.raises(CheckpointError, match="64 rows, the codebook has 8192"):
         bundle.neighbour_table(4)
+
+
+def test_max_prompt_bounds_the_plan_and_a_longer_prompt_fails_alone(anole_dir):
+    from adt_core.models.chameleon_prompt import load_prompter
+    from adt_core.results import PromptFailure
+
+    bundle = load_bundle(anole_dir)
+    bundle.prompter = load_prompter(anole_dir / "target", layout="anole", max_prompt=16)
+    config = DecodeConfig(method="ar", temperature=0.0, batch_size=2, max_tokens=4)
+    plan = bundle_plan(bundle, config, 1 * GB)
+    assert plan.tokens_per_row == 16 + 4 + 2  # prompt budget + the codes decoded + 2
+    gen = Generator(bundle, config)
+    assert gen.decoder(2).cache.k.shape[3] == plan.tokens_per_row
+    out = dict(gen.stream(["an apple", "an " * 40], [1, 2]))
+    assert not isinstance(out[0], PromptFailure)
+    assert isinstance(out[1], PromptFailure) and "the bundle holds 16 (prompt.max_prompt)" in str(out[1].error)
