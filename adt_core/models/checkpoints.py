@@ -18,6 +18,9 @@ Layouts read (facts: ../shared/design/model_formats.md):
                               post_attention_layernorm, model.norm, lm_head.
     LlamaGen VQ               vq_ds16_t2i.pt = {"model": sd, ...}; strict, incl. quantize.codebook_used.
     LANTERN drafter           DIR/config.json + DIR/pytorch_model.bin | DIR/model.safetensors, 11 keys.
+    project drafter           DIR/config.json (DrafterConfig fields: "dim", "n_head", ...) +
+                              DIR/model.safetensors: what jobs.train_drafter exports (OUT/drafter)
+                              and bundle directories hold; read by the same entry point.
 
 Where a file has no config, the architecture is inferred from tensor shapes (widths, layers,
 vocabulary, caption rows); what shapes cannot tell (heads, grid) comes from LlamaGen's "args",
@@ -27,6 +30,7 @@ the known LlamaGen sizes, or the caller.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -472,13 +476,17 @@ def drafter_config_from_lantern(config: Mapping[str, Any], target: GPTConfig,
 
 def load_lantern_drafter(path: str | Path, target: GPTConfig, dtype: torch.dtype = torch.float32) -> Drafter:
     """Load a LANTERN / EAGLE drafter: a directory with config.json and pytorch_model.bin or
-    model.safetensors (or one of those files with config.json beside it)."""
+    model.safetensors (or one of those files with config.json beside it). A config.json of
+    DrafterConfig fields (this project's own format: jobs.train_drafter's export) is read as
+    that, checked against the target."""
     path = Path(path)
     d = path if path.is_dir() else path.parent
     cfg_file = d / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{d}: a LANTERN drafter needs config.json")
     config = json.loads(cfg_file.read_text())
+    if "dim" in config and "hidden_size" not in config:
+        return _load_project_drafter(d, config, target, dtype, str(cfg_file))
     if path.is_dir():
         names = ("model.safetensors", "pytorch_model.bin")
         found = [d / n for n in names if (d / n).is_file()]
@@ -490,6 +498,33 @@ def load_lantern_drafter(path: str | Path, target: GPTConfig, dtype: torch.dtype
     if "fc.bias" not in state and config.get("bias") is False:
         state["fc.bias"] = torch.zeros(cfg.dim)  # trained without a bias: same function
     check_state(state, _expected_shapes(lambda: Drafter(cfg)), str(path))
+    model = Drafter(cfg)
+    model.load_state_dict(_cast(state, dtype), strict=True)
+    return model.eval()
+
+
+def _load_project_drafter(d: Path, config: Mapping[str, Any], target: GPTConfig, dtype: torch.dtype,
+                          source: str) -> Drafter:
+    """DIR/config.json (DrafterConfig fields) + DIR/model.safetensors, strict; the drafter must
+    run on the target's sequence (width, vocabulary, grid, caption rows)."""
+    names = {f.name for f in dataclasses.fields(DrafterConfig)}
+    unknown = set(config) - names
+    if unknown:
+        raise CheckpointError(f"{source}: unknown fields {sorted(unknown)} (DrafterConfig: {sorted(names)})")
+    try:
+        cfg = DrafterConfig(**config)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{source}: {e}") from None
+    mine = (cfg.dim, cfg.vocab_size, cfg.grid_h, cfg.grid_w, cfg.cls_token_num)
+    theirs = (target.dim, target.vocab_size, target.grid_h, target.grid_w, target.cls_token_num)
+    if mine != theirs:
+        raise CheckpointError(f"{source}: drafter (width, vocab, grid, caption rows) {mine} does not match "
+                              f"the target's {theirs}")
+    weights = d / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{d}: no model.safetensors")
+    state = _read_weights(weights)
+    check_state(state, _expected_shapes(lambda: Drafter(cfg)), str(weights))
     model = Drafter(cfg)
     model.load_state_dict(_cast(state, dtype), strict=True)
     return model.eval()
