@@ -146,9 +146,23 @@ def _device_bytes(cfg: JobConfig) -> tuple[int | None, str]:
 
     if cfg.device != "cpu" and torch.cuda.is_available():
         return int(torch.cuda.get_device_properties(0).total_memory), f"this machine's {torch.cuda.get_device_name(0)}"
-    if cfg.device == "cpu" or (cfg.ray_address is None and cfg.device == "auto"):
+    if cfg.device == "cpu" or _cpu_actors(cfg):
         return host_memory_bytes(), "this machine's memory (CPU actors)"
     return None, ""
+
+
+def _cpu_actors(cfg: JobConfig) -> bool:
+    """device auto, and the actors will be CPU ones: this process's Ray has no GPU, or a local Ray
+    will start on this machine (which has none: checked before)."""
+    if cfg.device != "auto":
+        return False
+    import ray
+
+    from pipeline.cluster import ray_target
+
+    if ray.is_initialized():
+        return not ray.cluster_resources().get("GPU")
+    return ray_target(cfg) == "local"
 
 
 def plan_job_memory(cfg: JobConfig, bundle):
