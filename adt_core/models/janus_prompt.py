@@ -36,6 +36,7 @@ GRID = IMAGE_PX // DOWNSAMPLE  # 24
 NUM_CODES = 16384
 TEXT_VOCAB = 102400  # DeepSeek-LLM's embedding rows (Janus-Pro-1B and -7B)
 JANUS_SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "cfg_scale": 5.0}
+MAX_PROMPT = 512  # prompt ids a row may hold by default (the engine's own default bound)
 TOKENIZER_FILES = ("tokenizer.json",)
 
 
@@ -139,6 +140,7 @@ class JanusPrompter:
     tokenizer: JanusTokenizer
     vocab: ImageVocab = field(default_factory=lambda: ImageVocab(TEXT_VOCAB, NUM_CODES, TEXT_VOCAB + NUM_CODES))
     grid: int = GRID
+    max_prompt: int = MAX_PROMPT  # prompt ids a row may hold (the decoder's cache and memory plan)
     layout: Layout = field(init=False)
 
     def __post_init__(self) -> None:
@@ -165,16 +167,22 @@ class JanusPrompter:
         if not prompts:
             raise ValueError("no prompts")
         rows = [self.cond_ids(p) for p in prompts]
+        longest = max(len(r) for r in rows)
+        if longest > self.max_prompt:
+            raise ValueError(f"a prompt of {longest} tokens with its template; the bundle holds {self.max_prompt} "
+                             "(prompt.max_prompt)")
         if cfg:
             rows += [self.uncond_ids(r) for r in rows]
         return token_rows(rows, len(prompts), pad_id=self.tokenizer.ids["pad"])
 
 
-def load_prompter(path: str | Path, grid: int = GRID, vocab: ImageVocab | None = None) -> JanusPrompter:
+def load_prompter(path: str | Path, grid: int = GRID, vocab: ImageVocab | None = None,
+                  max_prompt: int = MAX_PROMPT) -> JanusPrompter:
     """A prompter over the tokenizer at `path` (tokenizer.json or a checkpoint directory); the
-    image ids come from the checkpoint's config.json beside it, else `vocab`, else Janus-Pro's."""
+    image ids come from the checkpoint's config.json beside it, else `vocab`, else Janus-Pro's.
+    A prompt longer than `max_prompt` ids (template included) is refused (that prompt fails)."""
     tok = load_tokenizer(path)
     vocab = vocab or vocab_from_config(path)
     if vocab is None:
-        return JanusPrompter(tok, grid=grid)
-    return JanusPrompter(tok, vocab, grid)
+        return JanusPrompter(tok, grid=grid, max_prompt=max_prompt)
+    return JanusPrompter(tok, vocab, grid, max_prompt)

@@ -103,3 +103,10 @@ def test_special_ids_by_name(tmp_path):
         p.rows([], cfg=True)
     with pytest.raises(FileNotFoundError):
         load_prompter(tmp_path / "nowhere")
+
+
+def test_a_prompt_longer_than_max_prompt_is_refused(ckpt):
+    p = load_prompter(ckpt, max_prompt=40)
+    assert p.max_prompt == 40 and p.rows(["a cat"], cfg=True).tokens.shape[1] <= 40
+    with pytest.raises(ValueError, match="prompt.max_prompt"):
+        p.rows(["a cat", "word " * 40], cfg=True)
