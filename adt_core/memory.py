@@ -225,7 +225,7 @@ def bundle_plan(bundle, config, device_bytes: int, reserve_fraction: float = 0.0
     n = layout.num_codes if config.max_tokens is None else min(config.max_tokens, layout.num_codes)
     base = getattr(prompter, "max_prompt", None) or MAX_PROMPT
     span = int(layout.offset(n - 1)) + 1
-    widest, fed = tree_extent(config)
+    widest, fed = tree_extent(config) if bundle.drafter is not None else (0, 0)  # no drafter: plain steps
     spec = widest > 0
     tokens = base + span + (1 if spec else 2)  # BatchDecoder: base + span + widest + 2 entries per row
     return plan_memory(

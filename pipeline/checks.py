@@ -173,6 +173,9 @@ def plan_job_memory(cfg: JobConfig, bundle):
     plans on its own device. A plan that does not fit one image is refused (exit 2)."""
     from adt_core.memory import MemoryPlanError, bundle_plan
 
+    if bundle is not None and bundle.drafter is None and cfg.decode.method != "ar":
+        raise JobRefused(f"decode.method {cfg.decode.method!r} needs a drafter; bundle {cfg.bundle!r} has none "
+                         "(use --decode.method ar)")
     device_bytes, source = _device_bytes(cfg)
     if bundle is None or device_bytes is None:
         return None, source

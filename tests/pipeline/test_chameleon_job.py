@@ -162,3 +162,14 @@ def test_an_actors_memory_plan_error_is_a_refusal():
     text = RuntimeError("Traceback ...\nadt_core.memory.MemoryPlanError: not one image fits: x\n(more)")
     assert str(memory_refusal(text)) == "an actor's memory plan: not one image fits: x"
     assert memory_refusal(RuntimeError("something else")) is None
+
+
+def test_a_bundle_without_a_drafter_refuses_speculative_methods(lumina_dir, tmp_path):
+    bare = tmp_path / "bare"
+    shutil.copytree(lumina_dir, bare, ignore=shutil.ignore_patterns("drafter"))
+    meta = json.loads((bare / "bundle.json").read_text())
+    meta["components"]["drafter"] = None
+    (bare / "bundle.json").write_text(json.dumps(meta))
+    src = write_prompts(tmp_path / "prompts.parquet", simple_rows(1))
+    code, out, err = generate("--bundle", str(bare), "--input", str(src), "--output", str(tmp_path / "o"), *EAGLE)
+    assert code == 2 and "decode.method 'eagle2' needs a drafter" in err and len(err.strip().splitlines()) == 1
