@@ -6,12 +6,15 @@
     ray job submit --working-dir . -- python -m jobs.generate --config job.yaml
 
 Options come from pipeline.config.JobConfig: defaults < --config file < flags. Every
-flag below is one JobConfig field (dotted names reach nested fields). Exit codes: 0 done,
-1 some rows failed (unless --allow-failures), 2 bad config, prompt input or resume, 3 Ray
-cluster unreachable or too small, 4 storage unavailable, 5 output in use by another job,
-6 interrupted (SIGTERM/SIGINT), 7 internal error.
+flag below is one JobConfig field (dotted names reach nested fields). --bundle takes a
+manifest too (infra/manifests/*.yaml: LlamaGen, Anole, Lumina-mGPT, Janus-Pro). Exit codes:
+0 done, 1 some rows failed (unless --allow-failures), 2 bad config, prompt input, resume or
+bundle, or a device that cannot hold one image, 3 Ray cluster unreachable or too small,
+4 storage unavailable, 5 output in use by another job, 6 interrupted (SIGTERM/SIGINT),
+7 internal error.
 
-While it runs: each actor prints one 'worker ready' line (bundle loading and cost table,
+Before Ray starts the driver prints the memory plan (images in flight per actor, from the
+device's memory; memory_plan.json in the output). While it runs: each actor prints one 'worker ready' line (bundle loading and cost table,
 with their times), then progress as images finish (a bar on a terminal; in logs a line per
 tenth of the images and every --progress-interval-s); --progress also shows Ray Data's and
 Hugging Face's own progress output. At the end: a summary (docs/pipeline.md, "The

@@ -22,7 +22,7 @@ Output layout (rooted at JobConfig.output, a path or s3:// prefix):
     summary.json             counts, throughput, speedups of the latest run
 
 Exit codes (EXIT_CODES; docs/pipeline.md):
-    0 done            1 some rows failed      2 config / input / resume refused
+    0 done            1 some rows failed      2 config / input / resume / bundle / memory plan refused
     3 Ray cluster unreachable or too small    4 storage unavailable
     5 output in use by another job (lease)    6 interrupted (SIGTERM / SIGINT)
     7 internal error (a bug: traceback logged)
@@ -76,7 +76,7 @@ EXIT_INTERNAL = 7
 EXIT_CODES = {
     EXIT_OK: "done: every selected prompt has an ok row",
     EXIT_ROWS_FAILED: "the run finished but some rows failed (--allow-failures makes it 0)",
-    EXIT_BAD_INPUT: "the config, the prompt input or a resume was refused before any work",
+    EXIT_BAD_INPUT: "the config, the prompt input, a resume, the bundle or its memory plan was refused before any work",
     EXIT_NO_RESOURCES: "the Ray cluster cannot be reached or cannot host the actors",
     EXIT_STORAGE_UNAVAILABLE: "the input or output store is unavailable (down past storage.retry_budget_s, or refused)",
     EXIT_OUTPUT_BUSY: "another job holds the output's lease",
