@@ -39,7 +39,8 @@ from adt_core.models import janus_prompt
 from adt_core.models.chameleon import rope_cos_sin
 from adt_core.models.checkpoints import CheckpointError, check_state
 from adt_core.models.contract import Family
-from adt_core.models.janus import DecoderLayer, JanusConfig, JanusTarget, load_janus, load_janus_vq
+from adt_core.models.janus import DecoderLayer, JanusConfig, JanusTarget
+from adt_core.models.janus_weights import load_janus, load_janus_vq
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -35,7 +35,8 @@ import torch
 from adt_core.config import SamplingConfig
 from adt_core.models.bundle import Bundle, build_text_encoder
 from adt_core.models.cache import LocalCache
-from adt_core.models.checkpoints import load_lantern_drafter, load_llamagen_gpt, load_vq
+from adt_core.models.drafter_checkpoints import load_lantern_drafter
+from adt_core.models.llamagen_checkpoints import load_llamagen_gpt, load_vq
 from adt_core.models.sources import ManifestError, is_hf, is_s3
 
 log = logging.getLogger(__name__)

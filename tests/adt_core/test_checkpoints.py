@@ -16,9 +16,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from adt_core.models.checkpoints import (
-    CheckpointError, drafter_config_from_lantern, hf_gpt_names, infer_gpt_config, infer_vq_config,
-    load_lantern_drafter, load_llamagen_gpt, load_vq, unwrap_state_dict,
+from adt_core.models.checkpoints import CheckpointError, unwrap_state_dict
+from adt_core.models.drafter_checkpoints import drafter_config_from_lantern, load_lantern_drafter
+from adt_core.models.llamagen_checkpoints import (
+    hf_gpt_names, infer_gpt_config, infer_vq_config, load_llamagen_gpt, load_vq,
 )
 from adt_core.models.drafter import Drafter, DrafterConfig
 from adt_core.models.gpt import GPTConfig, LlamaGenGPT

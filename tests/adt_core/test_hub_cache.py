@@ -156,7 +156,7 @@ def test_the_shipped_hub_manifest_loads_from_the_cache_offline(tmp_path, monkeyp
     """infra/manifests/llamagen_t2i_stage1_hub.yaml against tiny files at the real caption
     length (120) and grid (16), cached under the three real repository names."""
     import adt_core
-    from adt_core.models import checkpoints
+    from adt_core.models import llamagen_checkpoints
     from adt_core.models.gpt import GPTConfig
     from test_checkpoints import tiny_drafter, tiny_gpt, tiny_vq, write_lantern_drafter, write_llamagen_pt, write_vq_pt
     from test_t5 import write_tiny_t5
@@ -176,7 +176,7 @@ def test_the_shipped_hub_manifest_loads_from_the_cache_offline(tmp_path, monkeyp
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub_dir))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(socket, "create_connection", lambda *a, **k: pytest.fail("network"))
-    monkeypatch.setitem(checkpoints.LLAMAGEN_SIZES, "GPT-tiny", 4)  # the real file says GPT-XL
+    monkeypatch.setitem(llamagen_checkpoints.LLAMAGEN_SIZES, "GPT-tiny", 4)  # the real file says GPT-XL
     bundle = adt_core.load_bundle(ROOT / "infra" / "manifests" / "llamagen_t2i_stage1_hub.yaml")
     assert bundle.grid == (16, 16) and bundle.text_encoder.max_tokens == 120 and bundle.drafter.config.grid_h == 16
     assert bundle.text_encoder.path == str(hub_dir / "models--google--flan-t5-xl" / "snapshots" / COMMIT)

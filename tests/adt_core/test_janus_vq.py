@@ -5,9 +5,11 @@ and decodes like transformers' JanusVQVAE.decode; Janus' pixel conversion; stric
 import pytest
 import torch
 
-from adt_core.models.checkpoints import CheckpointError, infer_vq_config
+from adt_core.models.checkpoints import CheckpointError
 from adt_core.models.contract import Decoder
-from adt_core.models.janus import PUBLISHED, JanusVQ, load_janus_vq, remap_vq_state
+from adt_core.models.janus import JanusVQ
+from adt_core.models.janus_weights import PUBLISHED, load_janus_vq, remap_vq_state
+from adt_core.models.llamagen_checkpoints import infer_vq_config
 from adt_core.models.vq import VQConfig, VQModel
 from janus_fixtures import CODES, GRID, make_hf_janus, save_published, save_transformers
 

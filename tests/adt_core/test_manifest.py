@@ -15,7 +15,7 @@ import yaml
 
 import adt_core
 from adt_core import DecodeConfig, Generator, TreeConfig
-from adt_core.models import checkpoints
+from adt_core.models import llamagen_checkpoints
 from adt_core.models.bundle import resolve_bundle_dir
 from adt_core.models.drafter import DrafterConfig
 from adt_core.models.gpt import GPTConfig
@@ -298,7 +298,7 @@ def test_stage1_manifest_loads_the_documented_layout(tmp_path, monkeypatch):
     write_tiny_t5(root / "google" / "flan-t5-xl")
     monkeypatch.setenv("ADT_MODELS", str(root))
     # the real file's args say gpt_model="GPT-XL" (20 heads); the tiny one says "GPT-tiny"
-    monkeypatch.setitem(checkpoints.LLAMAGEN_SIZES, "GPT-tiny", 4)
+    monkeypatch.setitem(llamagen_checkpoints.LLAMAGEN_SIZES, "GPT-tiny", 4)
     bundle = adt_core.load_bundle(MANIFESTS / "llamagen_t2i_stage1.yaml")
     assert bundle.grid == (16, 16) and bundle.target.config.cls_token_num == 120
     assert bundle.text_encoder.max_tokens == 120 and bundle.drafter.config.grid_h == 16

@@ -26,7 +26,7 @@ def janus_bundle(tmp_path_factory) -> Path:
     pytest.importorskip("transformers.models.janus", reason="transformers >= 4.52 has models/janus")
     from adt_core.config import SamplingConfig
     from adt_core.models.family_bundle import write_family_bundle
-    from adt_core.models.janus import load_janus
+    from adt_core.models.janus_weights import load_janus
     from adt_core.models.janus_drafter import new_drafter, save_janus_drafter
     from adt_core.models.janus_prompt import JANUS_SAMPLING
 
