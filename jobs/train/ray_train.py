@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "state.pt"
 METRICS_FILE = "metrics.jsonl"
+RESUMED_FILE = "resumed.json"  # the step the last resumed run started from (rank 0)
 FAULT_ENV = "ADT_TRAIN_FAULT"  # tests only, read by the driver: "kill:<rank>:<step>:<marker file>" or "delay:<s>"
 
 
@@ -163,6 +164,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     state = read_state(ray.train.get_checkpoint())
     if state is not None and rank == 0:
         print(f"[train] resuming at step {int(state['step'])} from the latest checkpoint", flush=True)
+        # the printed line reaches the driver's log only if Ray forwards it before the run ends
+        out.put_text(RESUMED_FILE, json.dumps({"step": int(state["step"])}) + "\n", "application/json")
     train_loop(config, bundle.target, train, heldout, ray.train.torch.get_device(), rank, world, state,
                _save_and_report, out, prepare=ray.train.torch.prepare_model if world > 1 else None)
 
