@@ -283,8 +283,10 @@ class BatchDecoder:
         grow = active.astype(np.int64)
         self.cache.set_lengths(start + self.host_rows(grow if eol is None else grow + eol))
         counts = torch.from_numpy(grow).to(dev)
-        if self.drafter is not None:
+        if self.drafter is not None and self.planner.feeds_drafter(int(active.sum())):
             self.drafter.ring.push_one(s.count, hidden[:, 0], new, counts)
+        elif self.drafter is not None:
+            self.drafter.ring.skip(active, position + 1)  # pairs up to this one: never fed
         s.write(new[:, None], counts, grow)
         ms = setup.timer.now() - t0
         self.planner.observe_plain(int(active.sum()), ms)

@@ -92,6 +92,11 @@ class PairRing:
         self.t[self._slot_idx, col] = tokens
         self.h[self._row_idx, self.rows(col)] = hidden.to(self.h.dtype)
 
+    def skip(self, slots: np.ndarray, count: np.ndarray) -> None:
+        """Pairs of `slots` (bool (C,)) below `count` (C,) will never be fed (a run of plain steps
+        the planner will not draft after): no store at all, the next catch-up starts after them."""
+        self.fed = np.where(slots, count, self.fed)
+
     def window(self, count: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Pairs to feed: first index (C,) and how many (C,) (0 for free slots)."""
         lo = np.maximum(self.fed, count - RING)

@@ -33,6 +33,7 @@ from adt_core.adaptive import AdaptiveGrid, shape_budget
 from adt_core.budget import EMA, BatchBudget
 from adt_core.calibrate import CostTable
 from adt_core.config import AdaptiveConfig, DecodeConfig
+from adt_core.draft import RING
 from adt_core.round_state import RoundOutcome, RoundPlan, Slots
 
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # drafted nodes per slot a verify may carry
@@ -68,6 +69,11 @@ class Planner:
 
     def observe_plain(self, slots: int, round_ms: float) -> None:
         """A plain step finished."""
+
+    def feeds_drafter(self, slots: int) -> bool:
+        """Whether a plain step with `slots` active must keep its pairs for the drafter (False
+        when the next RING rounds will not draft: their pairs are skipped for good)."""
+        return self.drafts
 
     @staticmethod
     def _fixed(depth: np.ndarray, width: int, nodes: int) -> RoundPlan | None:
@@ -216,6 +222,9 @@ class CostPlanner(ShapePlanner):
         pays = self.cal * outcome.level_conf[1 : plan.levels + 1] * price >= self.level_ms
         fail = np.flatnonzero(~pays)
         self.depth_cap = min(plan.levels + 1, self.cfg.d_max) if fail.size == 0 else max(1, int(fail[0]))
+
+    def feeds_drafter(self, slots: int) -> bool:
+        return not self.guard.plain_ahead(slots, RING)
 
     def observe_plain(self, slots: int, round_ms: float) -> None:
         cost = self._cost_ms(round_ms)

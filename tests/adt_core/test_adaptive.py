@@ -208,3 +208,56 @@ def test_batch_budget_keeps_plain_steps_unless_drafting_wins_by_the_edge():
         b.observe_round(1, True, ms=10.0 / gain, tokens=1)  # drafting measured `gain` times faster
         b.observe_round(1, False, ms=10.0, tokens=1)
         assert b.worth_drafting(1) is drafts  # a noisy near-tie keeps the step that costs what `ar` pays
+
+
+def test_a_new_slot_count_takes_the_nearest_choice_and_is_measured_only_by_probes():
+    from adt_core.draft import RING
+
+    b = BatchBudget(CostTable({1: 10.0}), AdaptiveConfig(), samples=1)
+    b.observe_round(4, True, ms=50.0, tokens=6)
+    b.observe_round(4, False, ms=20.0, tokens=4)  # 4 slots: plain steps win
+    seen = []
+    for _ in range(PROBE_EVERY + 1):  # 64 slots, never measured: a draining or growing batch
+        d = b.worth_drafting(64)
+        seen.append(d)
+        b.observe_round(64, d, ms=200.0 if d else 80.0, tokens=96 if d else 64)
+    assert seen == [False] * PROBE_EVERY + [True]  # no exploration, one probe on the schedule
+    assert not b.probing(64) and b.probe_every == 2 * PROBE_EVERY  # the probe confirmed plain: the interval grew
+    assert b.plain_ahead(64, RING) and not b.plain_ahead(64, b.probe_every)  # pairs are kept before a probe
+
+
+def test_skipped_pairs_are_never_fed_and_outputs_stay_exact(monkeypatch):
+    """Plain steps the budget will not draft after store no pair (ring.skip); drafting rounds
+    in between still equal ar token for token (greedy and coupled, fp32)."""
+    from adt_core import DecodeConfig, Generator, random_bundle
+    from adt_core.budget import BatchBudget
+    from adt_core.draft import PairRing
+
+    bundle = random_bundle(seed=3, vocab=16, grid=(4, 4))
+    prompts, seeds = ["a red apple", "blue dog", "sun over hills"], [1, 2, 3]
+    rounds = {"n": 0}
+
+    def every_fifth(self, a):  # draft one round in five; plain steps in between feed nothing
+        rounds["n"] += 1
+        return rounds["n"] % 5 == 0
+
+    monkeypatch.setattr(BatchBudget, "worth_drafting", every_fifth)
+    monkeypatch.setattr(BatchBudget, "plain_ahead", lambda self, a, n: rounds["n"] % 5 not in (3, 4))
+    monkeypatch.setattr("adt_core.planner.VETO", 0.0)
+    stores = {"n": 0}
+    push_one = PairRing.push_one
+
+    def counted(self, *a):
+        stores["n"] += 1
+        return push_one(self, *a)
+
+    monkeypatch.setattr(PairRing, "push_one", counted)
+    for temperature in (0.0, 1.0):
+        kw = dict(batch_size=2, temperature=temperature, top_k=8)
+        ref = Generator(bundle, DecodeConfig(method="ar", **kw)).generate(prompts, seeds)
+        stores["n"], rounds["n"] = 0, 0
+        res = Generator(bundle, DecodeConfig(method="adt", **kw)).generate(prompts, seeds)
+        assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(ref, res)), temperature
+        plain = sum(r.stats.target_forwards for r in res)  # an upper bound on plain steps
+        assert 0 < stores["n"] < plain / 2  # only the steps right before a drafting round stored pairs
+        assert sum(r.stats.draft_tokens for r in res) > 0
