@@ -254,7 +254,8 @@ def _read_state(path: Path) -> dict[str, torch.Tensor]:
         except Exception as e:  # an unpickling refusal: weights_only never runs foreign code
             raise CheckpointError(
                 f"{path}: cannot be read with torch.load(weights_only=True) ({type(e).__name__}: {e}). "
-                "Convert it once, for a file you trust, to vqgan.safetensors beside it: python -c \"import torch; "
+                "Convert it once to vqgan.safetensors beside it, only if you trust its source (weights_only=False "
+                "runs whatever code the file holds): python -c \"import torch; "
                 "from safetensors.torch import save_file; save_file(torch.load('vqgan.ckpt', weights_only=False)"
                 "['state_dict'], 'vqgan.safetensors')\"") from None
     if isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
