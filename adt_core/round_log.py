@@ -45,6 +45,9 @@ class RoundLog:
         """One round over the `active` (C,) slots; the per-slot arrays (C,) default to a plain
         step's (nothing drafted); times are the round's and are shared equally."""
         a = int(active.sum())
+        if depth is None and not draft_ms:  # a plain step: only its time and one forward to count
+            self._add_plain(active, position, verify_ms / a, a, tokens or a)
+            return
         z = np.zeros(self.capacity)
         depth, width, nodes, accepted = (z if x is None else x for x in (depth, width, nodes, accepted))
         d_ms, v_ms = draft_ms / a, verify_ms / a
@@ -60,6 +63,20 @@ class RoundLog:
             cols = (self.serial, position, depth, width, nodes, accepted, np.full(self.capacity, d_ms),
                     np.full(self.capacity, v_ms), np.full(self.capacity, a), np.full(self.capacity, tokens or a))
             self.rounds.append((self.round_no, np.stack([np.asarray(x, np.float64)[active] for x in cols], 1)))
+        self.round_no += 1
+
+    def _add_plain(self, active: np.ndarray, position: np.ndarray, ms: float, a: int, tokens: int) -> None:
+        """`add` for a round that drafted nothing (the same counters and trace row, fewer array ops:
+        it runs every step of `ar` and of a speculative method's non-drafting rounds)."""
+        c = self.count
+        c["target_forwards"][active] += 1
+        c["verify_ms"][active] += ms
+        c["total_ms"][active] += ms
+        if self.traced:
+            rows = np.zeros((a, len(FIELDS)))
+            rows[:, 0], rows[:, 1] = self.serial[active], position[active]
+            rows[:, 7], rows[:, 8], rows[:, 9] = ms, a, tokens
+            self.rounds.append((self.round_no, rows))
         self.round_no += 1
 
     def finish(self, b: int, batch_size: int) -> StepStats:
