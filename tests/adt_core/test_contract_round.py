@@ -11,22 +11,15 @@ import dataclasses
 import pytest
 import torch
 
-from adt_core import AdaptiveConfig, DecodeConfig, Generator, TreeConfig, random_bundle
-from adt_core.calibrate import CostTable
+from adt_core import DecodeConfig, Generator, random_bundle
 from adt_core.kv_cache import KVCache
 from adt_core.models.contract import PromptRows
 from adt_core.models.llamagen import LlamaGenPrompter
 
+from test_batch import COSTS, METHODS
+
 PROMPTS = ["a red apple on a table", "blue dog", "smiling sun over the green hills today", "x"]
 SEEDS = [4, 8, 15, 16]
-COSTS = CostTable({1: 1.0, 4: 1.2, 8: 1.5, 16: 2.5, 32: 5.0, 64: 10.0, 128: 20.0}, draft_level_ms=0.2,
-                  draft={1: 0.2, 64: 0.4, 256: 1.0})
-METHODS = [
-    ("static", dict(tree=TreeConfig(depth=4))),
-    ("eagle2", dict(tree=TreeConfig(depth=4, top_k=4, budget=12))),
-    ("adt", dict(adaptive=AdaptiveConfig(budget="shape", d_max=5, k_max=6, n_max=16))),
-    ("adt", dict(adaptive=AdaptiveConfig(budget="cost", d_max=5, k_max=6, n_max=16))),
-]
 
 
 class RaggedPrompter:
