@@ -105,6 +105,8 @@ class BatchDecoder:
         self.planner: Planner = planner_for(c, self.n, self.grid, setup.costs, capacity)
         if capacity in setup.planners:
             self.planner.adopt(setup.planners[capacity])
+        elif setup.planners:  # another capacity's: its measurements per slot count
+            self.planner.share(setup.planners[min(setup.planners, key=lambda c: abs(c - capacity))])
         setup.planners[capacity] = self.planner
         widest = self._widest_tree()
         self.cache = b.target.new_cache(self.r * capacity, self.base + span + widest + 2)

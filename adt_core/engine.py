@@ -71,11 +71,18 @@ class Generator:
             out[i] = r
         return out  # type: ignore[return-value]
 
-    @torch.inference_mode()
     def stream(self, prompts: list[str], seeds: list[int]) -> Iterator[tuple[int, GenerationResult | PromptFailure]]:
         """Yield (input index, result) as images finish, up to `batch_size` in flight; a free
         slot takes the next prompt at once. A prompt whose rows cannot be made (encoded,
         tokenized) yields a PromptFailure and the others go on."""
+        for done in self.rounds(prompts, seeds):
+            yield from done
+
+    @torch.inference_mode()
+    def rounds(self, prompts: list[str], seeds: list[int]) -> Iterator[list[tuple[int, GenerationResult | PromptFailure]]]:
+        """`stream` one round at a time: after every admission or round, the (index, result)
+        pairs it finished (often none). A caller can interleave the rounds of several
+        Generators (the throughput benchmark times methods this way)."""
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         if not prompts:
@@ -87,11 +94,9 @@ class Generator:
             if queue and free:
                 items = [queue.popleft() for _ in range(min(free, len(queue)))]
                 items, rows, failed = self._encode(items)
-                yield from failed
-                if items:
-                    yield from self._finish(dec.admit(items, rows))
+                yield failed + (list(self._finish(dec.admit(items, rows))) if items else [])
                 continue
-            yield from self._finish(dec.step())
+            yield list(self._finish(dec.step()))
 
     def decoder(self, capacity: int) -> BatchDecoder:
         """A BatchDecoder of `capacity` slots over this Generator's fixed set-up."""

@@ -164,17 +164,19 @@ class KVCache:
     def keep_rows(self, start: np.ndarray, idx: torch.Tensor, counts: np.ndarray) -> None:
         """Per row r keep slots start[r] + idx[r, :counts[r]] (ascending), compacted to
         start[r] .. start[r] + counts[r]. start, counts (R,) on the host; idx (R, m) on the device,
-        padded past counts[r] (any in-range value)."""
-        dev = self.k.device
-        m = idx.shape[1]
-        if m:
+        padded past counts[r] (any in-range value); idx[:, 0] is 0 (the root stays where it is)."""
+        hi = min(int(np.max(counts, initial=0)), idx.shape[1])  # columns past every row's count: nothing to keep
+        if hi > 1:
+            dev = self.k.device
+            _, rows, heads, t, hd = self.k.shape
             first = torch.from_numpy(np.asarray(start, dtype=np.int64)).to(dev)[:, None]  # (R, 1)
-            src = first + idx  # (R, m)
-            dst = first + torch.arange(m, device=dev)  # (R, m)
-            shape = (self.k.shape[0], self.rows, self.k.shape[2], m, self.k.shape[4])
-            s5, d5 = (x[None, :, None, :, None].expand(shape) for x in (src, dst))
-            for buf in (self.k, self.v):
-                buf.scatter_(3, d5, buf.gather(3, s5))
+            src = first + idx[:, 1:hi]  # (R, hi - 1)
+            dst = first + torch.arange(1, hi, device=dev)  # (R, hi - 1)
+            base = (torch.arange(rows, device=dev)[:, None] * heads + torch.arange(heads, device=dev)) * t  # (R, heads)
+            src, dst = ((base[:, :, None] + x[:, None]).flatten() for x in (src, dst))  # entries of a (R*heads*t) axis
+            for buf in (self.k, self.v):  # one gather and one copy per buffer over all layers (contiguous hd rows)
+                flat = buf.view(buf.shape[0], rows * heads * t, hd)
+                flat.index_copy_(1, dst, flat.index_select(1, src))
         self.set_lengths(np.asarray(start) + np.asarray(counts))
 
     def load_rows(self, rows: torch.Tensor, other: "KVCache") -> None:

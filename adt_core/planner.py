@@ -33,11 +33,12 @@ from adt_core.adaptive import AdaptiveGrid, shape_budget
 from adt_core.budget import EMA, BatchBudget
 from adt_core.calibrate import CostTable
 from adt_core.config import AdaptiveConfig, DecodeConfig
-from adt_core.draft import RING
 from adt_core.round_state import RoundOutcome, RoundPlan, Slots
 
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # drafted nodes per slot a verify may carry
 PRIOR = 0.7  # before any drafted round: the assumed acceptance of a draft level, per level
+RESUME = 4  # pairs a plain run keeps for the drafter ahead of a possible draft: its catch-up when drafting
+# resumes is one forward over at most these (a 16-pair catch-up at 64 in flight cost ~1.5 plain steps here)
 VETO = 0.8  # a plan the model rates below this fraction of a plain step's rate is not tried (but probed)
 
 
@@ -53,6 +54,10 @@ class Planner:
 
     def adopt(self, earlier: "Planner") -> None:
         """Start from what an earlier decoder of the same Generator learned (nothing here)."""
+
+    def share(self, other: "Planner") -> None:
+        """Use the draft-or-not measurements of another capacity's planner of the same Generator
+        (they are per slot count, not per capacity; nothing here)."""
 
     def __init__(self, n_tokens: int) -> None:
         self.n = n_tokens
@@ -72,7 +77,7 @@ class Planner:
 
     def feeds_drafter(self, slots: int) -> bool:
         """Whether a plain step with `slots` active must keep its pairs for the drafter (False
-        when the next RING rounds will not draft: their pairs are skipped for good)."""
+        when the next RESUME rounds will not draft: their pairs are skipped for good)."""
         return self.drafts
 
     @staticmethod
@@ -145,6 +150,10 @@ class CostPlanner(ShapePlanner):
         """Start from what an earlier decoder of the same Generator and capacity learned."""
         self.guard, self.cal, self.curve = earlier.guard, earlier.cal, earlier.curve
         self.level_ms, self.depth_cap, self.seen = earlier.level_ms, earlier.depth_cap, earlier.seen
+
+    def share(self, other: "Planner") -> None:
+        if isinstance(other, CostPlanner):
+            self.guard = other.guard
 
     def _warm(self, drafted: bool) -> bool:
         """False for the first round of a kind: its time holds one-off costs, not the rate."""
@@ -224,7 +233,7 @@ class CostPlanner(ShapePlanner):
         self.depth_cap = min(plan.levels + 1, self.cfg.d_max) if fail.size == 0 else max(1, int(fail[0]))
 
     def feeds_drafter(self, slots: int) -> bool:
-        return not self.guard.plain_ahead(slots, RING)
+        return not self.guard.plain_ahead(slots, RESUME)
 
     def observe_plain(self, slots: int, round_ms: float) -> None:
         cost = self._cost_ms(round_ms)

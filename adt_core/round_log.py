@@ -14,6 +14,7 @@ import numpy as np
 from adt_core.results import RoundTrace, StepStats
 
 FIELDS = ("serial", "position", "depth", "width", "nodes", "accepted", "draft_ms", "verify_ms", "slots", "tokens")
+INTS = [1, 2, 3, 4, 5, 8, 9]  # position, depth, width, nodes, accepted, slots, tokens (RoundTrace's int fields)
 COUNTERS = ("target_forwards", "draft_forwards", "draft_tokens", "accepted_draft_tokens", "draft_ms", "verify_ms",
             "total_ms")
 
@@ -27,6 +28,7 @@ class RoundLog:
         self.rounds: deque[tuple[int, np.ndarray]] = deque()  # (round number, (A, F) trace rows)
         self.round_no = 0
         self._next_serial = 0
+        self._joined: tuple[int, np.ndarray] | None = None  # (round number, every kept trace row)
 
     def admit(self, slots: np.ndarray, share_ms: float) -> None:
         """Images enter `slots` (indices); the prefill's time is shared among them."""
@@ -89,14 +91,24 @@ class RoundLog:
             batch_size=batch_size, lossy=self.lossy, sampler=self.sampler,
         )
         if self.traced:
-            mine = [rows[rows[:, 0] == self.serial[b]] for n, rows in self.rounds if n >= self.entered[b]]
-            rows = np.concatenate(mine) if mine else np.zeros((0, len(FIELDS)))
-            stats.accepted_lengths = [int(x) for x in rows[:, 5]]
-            stats.rounds = [RoundTrace(int(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]), float(r[6]),
-                                       float(r[7]), int(r[8]), int(r[9])) for r in rows]
+            every = self._all_rows()
+            rows = every[every[:, 0] == self.serial[b]]  # serials are unique: only this image's rounds
+            ints = rows[:, INTS].astype(np.int64).tolist()
+            ms = rows[:, 6:8].tolist()
+            stats.accepted_lengths = [r[4] for r in ints]
+            stats.rounds = [RoundTrace(p, d, w, n, a, dm, vm, sl, tk)
+                            for (p, d, w, n, a, sl, tk), (dm, vm) in zip(ints, ms)]
         self.serial[b] = -1
         self._prune()
         return stats
+
+    def _all_rows(self) -> np.ndarray:
+        """Every kept round's trace rows in one array, built once per round number (images that
+        finish in the same round share it)."""
+        if self._joined is None or self._joined[0] != self.round_no:
+            rows = [r for _, r in self.rounds]
+            self._joined = (self.round_no, np.concatenate(rows) if rows else np.zeros((0, len(FIELDS))))
+        return self._joined[1]
 
     def _prune(self) -> None:
         """Drop rounds older than every image still in flight."""

@@ -98,6 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batches", default="1,4,16,64", help="--throughput: engine batch sizes")
     ap.add_argument("--min-images", type=int, default=8, help="--throughput: images per cell at least (and the batch)")
     ap.add_argument("--passes", type=int, default=2, choices=(1, 2), help="--throughput: passes per cell (best kept)")
+    ap.add_argument("--control", action="store_true",
+                    help="--throughput: also time ar as a method of its own (ar'): its ratio to ar is the noise")
     ap.add_argument("--clock", default="wall", choices=("wall", "cpu"),
                     help="--throughput: images per wall second, or per CPU second of this process (a shared CPU)")
     ap.add_argument("--chart", default=None, metavar="PNG", help="--throughput: images/s vs batch chart")

@@ -3,8 +3,11 @@
 Every cell decodes the same prompts and seeds (the prompt file, cycled with new seeds when a
 batch needs more images) with one Generator holding `batch` images in flight, after a
 warm-up that also pays one-off costs (cost-table calibration, neighbour tables). The methods
-of one batch size run in turn, twice, the second time in reverse order, and each keeps its
-faster pass (load from other processes only ever slows a pass down). Reported per
+of one batch size run together, one round of each in turn, each round's time charged to its
+method (`run_together`): a shared VM's speed drifts by tens of percent over seconds, and
+methods run one after the other would each meet a different machine. Two passes (the second
+with the order reversed), each method keeping its faster one; `--control` adds `ar'`, ar timed
+as a method of its own, whose ratio to ar is what the instrument cannot resolve. Reported per
 temperature: images/s, the ratio to `ar` at the same batch size and to the best `ar` cell,
 whether every image equals `ar`'s (greedy and coupled sampling promise it), mean acceptance
 length and nodes per round, and the compute floor: model FLOPs per image over the measured
@@ -25,6 +28,7 @@ from pathlib import Path
 import torch
 
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, TreeConfig
+from adt_core.results import PromptFailure
 from adt_core.models.bundle import Bundle
 
 METHODS = {
@@ -83,16 +87,40 @@ def workload(prompts: list[str], seeds: list[int], count: int) -> tuple[list[str
     return ps, ss
 
 
-def run_cell(bundle: Bundle, spec: dict, temperature, batch: int, prompts, seeds, device, dtype,
-             clock: str = "wall") -> dict:
+def make_generator(bundle: Bundle, spec: dict, temperature, batch: int, prompts, seeds, device, dtype) -> Generator:
     kw = dict(spec, batch_size=batch, device=device, dtype=dtype)
     if temperature is not None:
         kw["temperature"] = temperature
     gen = Generator(bundle, DecodeConfig(**kw))
     gen.generate(prompts[: min(batch, 4)], seeds[: min(batch, 4)])  # warm-up + calibration
-    t0, c0 = time.perf_counter(), time.process_time()
-    res = gen.generate(prompts, seeds)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return gen
+
+
+def run_together(gens: dict[str, Generator], prompts, seeds, clock: str = "wall") -> dict[str, dict]:
+    """Decode the workload with every Generator at once, one round of each in turn: a round's
+    wall and CPU time is charged to its method, so a drift in the machine's speed (other
+    tenants, frequency) lands on all methods alike instead of on whichever ran then."""
+    its = {m: g.rounds(prompts, seeds) for m, g in gens.items()}
+    wall, cpu = dict.fromkeys(gens, 0.0), dict.fromkeys(gens, 0.0)
+    results: dict[str, list] = {m: [None] * len(prompts) for m in gens}
+    live = list(gens)
+    while live:
+        for m in list(live):
+            t0, c0 = time.perf_counter(), time.process_time()
+            done = next(its[m], None)
+            wall[m] += time.perf_counter() - t0
+            cpu[m] += time.process_time() - c0
+            if done is None:
+                live.remove(m)
+                continue
+            for i, r in done:
+                if isinstance(r, PromptFailure):
+                    raise r.error
+                results[m][i] = r
+    return {m: summarise(gens[m], results[m], wall[m], cpu[m], clock) for m in gens}
+
+
+def summarise(gen: Generator, res: list, wall: float, cpu: float, clock: str) -> dict:
     st = [r.stats for r in res]
     rounds = [x for s in st for x in s.rounds]
     return {
@@ -111,6 +139,8 @@ def throughput(bundle: Bundle, args, prompts: list[str], seeds: list[int]) -> di
     methods = [m.strip() for m in args.methods.split(",") if m.strip() in METHODS] or list(METHODS)
     if "ar" not in methods:
         methods.insert(0, "ar")
+    if getattr(args, "control", False):
+        methods.append("ar'")  # ar again, timed like the others: its ratio to ar is the instrument's noise
     path = Path(args.json) if args.json else None
     out = json.loads(path.read_text()) if path and path.exists() else {}
     cfg_rows = 2 if bundle.sampling.use_cfg else 1
@@ -125,10 +155,11 @@ def throughput(bundle: Bundle, args, prompts: list[str], seeds: list[int]) -> di
             ps, ss = workload(prompts, seeds, cell_images(b, args.min_images))
             todo = [m for m in methods if f"{temp_s.strip()}|{b}|{m}" not in out["cells"]]
             runs: dict[str, list[dict]] = {m: [] for m in todo}
-            for order in (todo, todo[::-1])[: args.passes]:  # alternate the order: load drifts hit both
-                for m in order:
-                    runs[m].append(run_cell(bundle, METHODS[m], temp, b, ps, ss, args.device, args.dtype,
-                                            getattr(args, "clock", "wall")))
+            for order in (todo, todo[::-1])[: args.passes]:  # each pass: all methods at once, round by round
+                gens = {m: make_generator(bundle, METHODS[m.rstrip("'")], temp, b, ps, ss, args.device, args.dtype)
+                        for m in order}
+                for m, cell in run_together(gens, ps, ss, getattr(args, "clock", "wall")).items():
+                    runs[m].append(cell)
             for m, cells in runs.items():
                 key = f"{temp_s.strip()}|{b}|{m}"
                 best = max(cells, key=lambda c: c["images_per_s"])  # other load only ever slows a run

@@ -151,8 +151,23 @@ def test_batch_budget_measures_a_few_rounds_of_each_kind_before_choosing():
         d = b.worth_drafting(1)
         seen.append(d)
         b.observe_round(1, d, ms=10.0 if d else 20.0, tokens=1)  # one unlucky drafted round would not decide
-    assert seen == [True, True, True, False, False, False]
+    assert seen == [True, False, True, False, True, True]  # alternating: three adjacent pairs, then drafting
     assert b.worth_drafting(1)  # drafting measured 2x faster
+
+
+def test_batch_budget_compares_adjacent_rounds_only_as_steps_grow_slower():
+    """A step's cost grows along the image (attention reads every cached key): a drafted round
+    measured early must not look faster than plain steps measured late. Drafting here commits
+    1.44x the tokens for 1.6x a plain step's time, at every position (a 10% loss)."""
+    b = BatchBudget(CostTable({1: 10.0}), AdaptiveConfig(), samples=3)
+    drafted = []
+    for r in range(1200):
+        plain_ms = 20.0 * (1 + r / 100)  # 12x slower at the end
+        d = b.worth_drafting(8)
+        drafted.append(d)
+        b.observe_round(8, d, ms=1.6 * plain_ms if d else plain_ms, tokens=int(8 * 1.44) if d else 8)
+    assert drafted[:6] == [True, False, True, False, False, False] and b.gain[4] < 1.0  # explored, then plain
+    assert sum(drafted[6:]) <= 6  # probes only, the interval growing: 32, 64, ..., 512
 
 
 def test_draft_level_cost_is_measured_once_per_generator_model():
