@@ -42,6 +42,7 @@ class KVCache:
         self.host = np.zeros(rows, dtype=np.int64)  # (R,) the same lengths, on the host
         self._uniform: int | None = 0  # the common length while all rows share one, else None
         self._longest = 0  # max(lengths), kept on the host (no device sync per layer)
+        self._next: torch.Tensor | None = None  # ragged single-entry writes' index (`_entry_index`)
 
     @property
     def max_len(self) -> int:
@@ -70,10 +71,11 @@ class KVCache:
         if self._uniform is not None:
             self.k[layer, :, :, self._uniform : end] = k
             self.v[layer, :, :, self._uniform : end] = v
-        elif s == 1:  # one new entry per row (a plain AR step): a direct indexed store
-            rows = torch.arange(self.rows, device=k.device)
-            self.k[layer][rows, :, self.lengths] = k[:, :, 0]
-            self.v[layer][rows, :, self.lengths] = v[:, :, 0]
+        elif s == 1:  # one new entry per row (a plain AR step): one indexed copy per buffer
+            _, rows, heads, t, hd = self.k.shape
+            idx = self._entry_index()
+            self.k[layer].view(rows * heads * t, hd).index_copy_(0, idx, k.reshape(rows * heads, hd))
+            self.v[layer].view(rows * heads * t, hd).index_copy_(0, idx, v.reshape(rows * heads, hd))
         else:
             idx = (self.lengths[:, None] + torch.arange(s, device=k.device))[:, None, :, None]  # (R, 1, S, 1)
             idx = idx.expand(-1, k.shape[1], -1, k.shape[3])
@@ -81,7 +83,18 @@ class KVCache:
             self.v[layer].scatter_(2, idx, v)
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    def _entry_index(self) -> torch.Tensor:
+        """(R * heads,) each row's next entry in a layer's buffer viewed as (R * heads * max_len,
+        hd) rows; built once per length change, shared by every layer's write."""
+        if self._next is None:
+            _, rows, heads, t, _ = self.k.shape
+            dev = self.k.device
+            base = (torch.arange(rows, device=dev)[:, None] * heads + torch.arange(heads, device=dev)) * t
+            self._next = (base + self.lengths[:, None]).flatten()
+        return self._next
+
     def advance(self, n: int) -> None:
+        self._next = None
         self.lengths += n
         self.host += n
         self._longest += n
@@ -91,6 +104,7 @@ class KVCache:
     def set_lengths(self, lengths: np.ndarray | torch.Tensor) -> None:
         """Per-row lengths (R,), from the host (a numpy array; a tensor is read back once)."""
         host = lengths.detach().cpu().numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths)
+        self._next = None
         self.host = host.astype(np.int64, copy=True)
         self.lengths = torch.from_numpy(self.host.copy()).to(self.lengths.device)
         lo, hi = int(self.host.min()), int(self.host.max())

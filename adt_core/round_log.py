@@ -1,8 +1,10 @@
 """Per-image statistics, kept as whole-batch arrays: one append per round, not per slot.
 
-Counters are (C,) numpy arrays indexed by slot; round traces are one (A, F) array per round over
-the A slots in it. When an image leaves, its `StepStats` is assembled from the counters and
-the rounds since it entered (results.py defines the fields and their meaning).
+Counters are (C,) numpy arrays indexed by slot; a drafted round's trace is one (A, F) array over
+the A slots in it. A plain round is the same for every image in flight, so it is two running
+sums and (traced) one row: an image's plain rounds are those since it entered. When an image
+leaves, its `StepStats` is assembled from the counters and the rounds since it entered
+(results.py defines the fields and their meaning).
 """
 
 from __future__ import annotations
@@ -13,10 +15,36 @@ import numpy as np
 
 from adt_core.results import RoundTrace, StepStats
 
-FIELDS = ("serial", "position", "depth", "width", "nodes", "accepted", "draft_ms", "verify_ms", "slots", "tokens")
-INTS = [1, 2, 3, 4, 5, 8, 9]  # position, depth, width, nodes, accepted, slots, tokens (RoundTrace's int fields)
+FIELDS = ("round", "serial", "position", "depth", "width", "nodes", "accepted", "draft_ms", "verify_ms", "slots",
+          "tokens")
+INTS = [2, 3, 4, 5, 6, 9, 10]  # position, depth, width, nodes, accepted, slots, tokens (RoundTrace's int fields)
 COUNTERS = ("target_forwards", "draft_forwards", "draft_tokens", "accepted_draft_tokens", "draft_ms", "verify_ms",
             "total_ms")
+
+
+class PlainRounds:
+    """One row per plain round, (round number, ms per image, slots, tokens), in a growing array:
+    every image in flight took part in it, so rows are not per slot."""
+
+    def __init__(self) -> None:
+        self.rows = np.zeros((256, 4))
+        self.lo = self.hi = 0  # live rows [lo, hi)
+
+    def append(self, round_no: int, ms: float, a: int, tokens: int) -> None:
+        if self.hi == len(self.rows):
+            live = self.rows[self.lo : self.hi]
+            grown = np.zeros((max(256, 2 * len(live)), 4))
+            grown[: len(live)] = live
+            self.rows, self.lo, self.hi = grown, 0, len(live)
+        self.rows[self.hi] = (round_no, ms, a, tokens)
+        self.hi += 1
+
+    def since(self, round_no: int) -> np.ndarray:
+        live = self.rows[self.lo : self.hi]
+        return live[np.searchsorted(live[:, 0], round_no) :]
+
+    def drop_before(self, round_no: int) -> None:
+        self.lo += int(np.searchsorted(self.rows[self.lo : self.hi, 0], round_no))
 
 
 class RoundLog:
@@ -25,16 +53,20 @@ class RoundLog:
         self.serial = np.full(capacity, -1, np.int64)  # the image in each slot
         self.entered = np.zeros(capacity, np.int64)  # round number at which it entered
         self.count = {k: np.zeros(capacity) for k in COUNTERS}
-        self.rounds: deque[tuple[int, np.ndarray]] = deque()  # (round number, (A, F) trace rows)
+        self.rounds: deque[np.ndarray] = deque()  # drafted rounds: (A, F) trace rows, column 0 the round number
+        self.plain = PlainRounds()  # plain rounds' trace rows
+        self.plain_n, self.plain_ms = 0, 0.0  # plain rounds so far, and the sum of their ms per image
+        self.snap = np.zeros((capacity, 2))  # (plain_n, plain_ms) when each slot's image entered
         self.round_no = 0
         self._next_serial = 0
-        self._joined: tuple[int, np.ndarray] | None = None  # (round number, every kept trace row)
+        self._joined: tuple[int, np.ndarray] | None = None  # (round number, every kept drafted-round row)
 
     def admit(self, slots: np.ndarray, share_ms: float) -> None:
         """Images enter `slots` (indices); the prefill's time is shared among them."""
         self.serial[slots] = np.arange(self._next_serial, self._next_serial + len(slots))
         self._next_serial += len(slots)
         self.entered[slots] = self.round_no
+        self.snap[slots] = (self.plain_n, self.plain_ms)
         for k in COUNTERS:
             self.count[k][slots] = 0.0
         self.count["target_forwards"][slots] = 1
@@ -47,8 +79,13 @@ class RoundLog:
         """One round over the `active` (C,) slots; the per-slot arrays (C,) default to a plain
         step's (nothing drafted); times are the round's and are shared equally."""
         a = int(active.sum())
-        if depth is None and not draft_ms:  # a plain step: only its time and one forward to count
-            self._add_plain(active, position, verify_ms / a, a, tokens or a)
+        if depth is None and not draft_ms:  # a plain step: every image in flight is in it, nothing per slot
+            ms = verify_ms / a
+            self.plain_n += 1
+            self.plain_ms += ms
+            if self.traced:
+                self.plain.append(self.round_no, ms, a, tokens or a)
+            self.round_no += 1
             return
         z = np.zeros(self.capacity)
         depth, width, nodes, accepted = (z if x is None else x for x in (depth, width, nodes, accepted))
@@ -62,39 +99,27 @@ class RoundLog:
         c["verify_ms"][active] += v_ms
         c["total_ms"][active] += d_ms + v_ms
         if self.traced:
-            cols = (self.serial, position, depth, width, nodes, accepted, np.full(self.capacity, d_ms),
-                    np.full(self.capacity, v_ms), np.full(self.capacity, a), np.full(self.capacity, tokens or a))
-            self.rounds.append((self.round_no, np.stack([np.asarray(x, np.float64)[active] for x in cols], 1)))
-        self.round_no += 1
-
-    def _add_plain(self, active: np.ndarray, position: np.ndarray, ms: float, a: int, tokens: int) -> None:
-        """`add` for a round that drafted nothing (the same counters and trace row, fewer array ops:
-        it runs every step of `ar` and of a speculative method's non-drafting rounds)."""
-        c = self.count
-        c["target_forwards"][active] += 1
-        c["verify_ms"][active] += ms
-        c["total_ms"][active] += ms
-        if self.traced:
-            rows = np.zeros((a, len(FIELDS)))
-            rows[:, 0], rows[:, 1] = self.serial[active], position[active]
-            rows[:, 7], rows[:, 8], rows[:, 9] = ms, a, tokens
-            self.rounds.append((self.round_no, rows))
+            full = lambda v: np.full(self.capacity, v)  # noqa: E731
+            cols = (full(self.round_no), self.serial, position, depth, width, nodes, accepted, full(d_ms), full(v_ms),
+                    full(a), full(tokens or a))
+            self.rounds.append(np.stack([np.asarray(x, np.float64)[active] for x in cols], 1))
         self.round_no += 1
 
     def finish(self, b: int, batch_size: int) -> StepStats:
-        """Slot b's image is done: its statistics."""
+        """Slot b's image is done: its statistics (its plain rounds: every plain round since it
+        entered)."""
         c = {k: v[b] for k, v in self.count.items()}
+        plain_n, plain_ms = self.plain_n - self.snap[b, 0], self.plain_ms - self.snap[b, 1]
         stats = StepStats(
-            target_forwards=int(c["target_forwards"]), draft_forwards=int(c["draft_forwards"]),
+            target_forwards=int(c["target_forwards"] + plain_n), draft_forwards=int(c["draft_forwards"]),
             draft_tokens=int(c["draft_tokens"]), accepted_draft_tokens=int(c["accepted_draft_tokens"]),
-            draft_ms=float(c["draft_ms"]), verify_ms=float(c["verify_ms"]), total_ms=float(c["total_ms"]),
-            batch_size=batch_size, lossy=self.lossy, sampler=self.sampler,
+            draft_ms=float(c["draft_ms"]), verify_ms=float(c["verify_ms"] + plain_ms),
+            total_ms=float(c["total_ms"] + plain_ms), batch_size=batch_size, lossy=self.lossy, sampler=self.sampler,
         )
         if self.traced:
-            every = self._all_rows()
-            rows = every[every[:, 0] == self.serial[b]]  # serials are unique: only this image's rounds
+            rows = self._rows(b)
             ints = rows[:, INTS].astype(np.int64).tolist()
-            ms = rows[:, 6:8].tolist()
+            ms = rows[:, 7:9].tolist()
             stats.accepted_lengths = [r[4] for r in ints]
             stats.rounds = [RoundTrace(p, d, w, n, a, dm, vm, sl, tk)
                             for (p, d, w, n, a, sl, tk), (dm, vm) in zip(ints, ms)]
@@ -102,11 +127,27 @@ class RoundLog:
         self._prune()
         return stats
 
+    def _rows(self, b: int) -> np.ndarray:
+        """Slot b's trace rows (R, F) in round order: its drafted rounds' own rows and a row per
+        plain round since it entered, positions filled in (each round advances an image by its
+        accepted tokens + 1; the first starts at the admitted token, position 1)."""
+        every = self._all_rows()
+        mine = every[every[:, 1] == self.serial[b]]  # serials are unique: only this image's rounds
+        plain = self.plain.since(int(self.entered[b]))
+        rows = np.zeros((len(mine) + len(plain), len(FIELDS)))
+        rows[: len(mine)] = mine
+        p = rows[len(mine) :]
+        p[:, 0], p[:, 1], p[:, 8], p[:, 9], p[:, 10] = plain[:, 0], self.serial[b], plain[:, 1], plain[:, 2], plain[:, 3]
+        rows = rows[np.argsort(rows[:, 0], kind="stable")]
+        advance = rows[:, 6] + 1
+        rows[:, 2] = 1 + np.concatenate([[0.0], np.cumsum(advance)[:-1]])
+        return rows
+
     def _all_rows(self) -> np.ndarray:
-        """Every kept round's trace rows in one array, built once per round number (images that
-        finish in the same round share it)."""
+        """Every kept drafted round's trace rows in one array, built once per round number
+        (images that finish in the same round share it)."""
         if self._joined is None or self._joined[0] != self.round_no:
-            rows = [r for _, r in self.rounds]
+            rows = list(self.rounds)
             self._joined = (self.round_no, np.concatenate(rows) if rows else np.zeros((0, len(FIELDS))))
         return self._joined[1]
 
@@ -114,5 +155,6 @@ class RoundLog:
         """Drop rounds older than every image still in flight."""
         live = self.entered[self.serial >= 0]
         oldest = int(live.min()) if live.size else self.round_no
-        while self.rounds and self.rounds[0][0] < oldest:
+        while self.rounds and self.rounds[0][0, 0] < oldest:
             self.rounds.popleft()
+        self.plain.drop_before(oldest)
