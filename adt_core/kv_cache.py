@@ -43,6 +43,7 @@ class KVCache:
         self._uniform: int | None = 0  # the common length while all rows share one, else None
         self._longest = 0  # max(lengths), kept on the host (no device sync per layer)
         self._next: torch.Tensor | None = None  # ragged single-entry writes' index (`_entry_index`)
+        self._flat = tuple(x.view(n_layer, rows * n_head * max_len, head_dim) for x in (self.k, self.v))  # same storage
 
     @property
     def max_len(self) -> int:
@@ -72,10 +73,9 @@ class KVCache:
             self.k[layer, :, :, self._uniform : end] = k
             self.v[layer, :, :, self._uniform : end] = v
         elif s == 1:  # one new entry per row (a plain AR step): one indexed copy per buffer
-            _, rows, heads, t, hd = self.k.shape
             idx = self._entry_index()
-            self.k[layer].view(rows * heads * t, hd).index_copy_(0, idx, k.reshape(rows * heads, hd))
-            self.v[layer].view(rows * heads * t, hd).index_copy_(0, idx, v.reshape(rows * heads, hd))
+            self._flat[0][layer].index_copy_(0, idx, k.reshape(idx.numel(), -1))
+            self._flat[1][layer].index_copy_(0, idx, v.reshape(idx.numel(), -1))
         else:
             idx = (self.lengths[:, None] + torch.arange(s, device=k.device))[:, None, :, None]  # (R, 1, S, 1)
             idx = idx.expand(-1, k.shape[1], -1, k.shape[3])
