@@ -147,7 +147,7 @@ def test_driver_killed_mid_run_resumes(baseline, bundle_dir, tmp_path):
         deadline = time.time() + 240
         while time.time() < deadline and proc.poll() is None:
             m = out / "metrics.jsonl"
-            if m.exists() and m.read_text().strip() and metric_steps(out)[-1] >= 6:
+            if m.exists() and m.read_text().strip() and metric_steps(out)[-1] >= 6 and _checkpoint_recorded(out):
                 break
             time.sleep(0.2)
         assert proc.poll() is None, f"driver ended early: {log.read_text()[-3000:]}"
@@ -170,6 +170,17 @@ def test_driver_killed_mid_run_resumes(baseline, bundle_dir, tmp_path):
         torch.testing.assert_close(state["model"][k], ref["model"][k], rtol=1e-5, atol=1e-6)
     assert metric_steps(out) == metric_steps(baseline)
     assert json.loads((out / "result.json").read_text())["steps"] == STEPS
+
+
+def _checkpoint_recorded(out) -> bool:
+    """True once Ray Train's controller has recorded a checkpoint in its snapshot (what a restarted
+    driver resumes from; a checkpoint directory alone is not enough: under load the driver can die
+    between a worker's report and the controller's snapshot, and the rerun then starts afresh)."""
+    snap = out / "train" / "checkpoint_manager_snapshot.json"
+    try:
+        return bool(json.loads(snap.read_text()).get("checkpoint_results"))
+    except (OSError, ValueError):
+        return False
 
 
 def _reap(proc: subprocess.Popen) -> None:
