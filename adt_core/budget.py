@@ -58,7 +58,6 @@ class BatchBudget:
         self.gain: dict[int, float] = {}  # bucket -> drafted / plain rate, from pairs of adjacent rounds
         self.pairs: dict[int, int] = {}  # bucket -> pairs measured
         self.last: dict[tuple[int, bool], tuple[int, float]] = {}  # (bucket, drafted) -> (round, tokens per ms)
-        self.latest: dict[int, bool] = {}  # bucket -> kind of its latest measured round
         self.round = 0  # rounds measured
         self.since_probe = 0
         self.probe_every = PROBE_EVERY  # doubles while probes confirm the winner, up to PROBE_MAX
@@ -92,7 +91,8 @@ class BatchBudget:
         k = self.bucket(a)
         choice = self._choice(k)
         if choice is None:
-            return not self.latest.get(k, False)  # the first bucket: alternate, drafting first
+            d, p = self.last.get((k, True), (-1, 0.0)), self.last.get((k, False), (-1, 0.0))
+            return d[0] <= p[0]  # the first bucket: alternate, drafting first
         if self.since_probe >= self.probe_every:
             return not choice  # probe the losing choice (a new bucket is measured only by probes)
         return choice
@@ -120,7 +120,6 @@ class BatchBudget:
             step = 1.0 / n if n <= self.samples else PAIR_EMA
             self.gain[k] = ratio if n == 1 else self.gain[k] + step * (ratio - self.gain[k])
         self.last[(k, drafted)] = (self.round, rate)
-        self.latest[k] = drafted
         if before is None:
             return
         if drafted != before:  # a probe of the losing choice

@@ -43,6 +43,8 @@ class KVCache:
         self._uniform: int | None = 0  # the common length while all rows share one, else None
         self._longest = 0  # max(lengths), kept on the host (no device sync per layer)
         self._next: torch.Tensor | None = None  # ragged single-entry writes' index (`_entry_index`)
+        # (R, heads): where each row's head h starts in a layer's buffer viewed as (R * heads * max_len, hd)
+        self._base = (torch.arange(rows, device=device)[:, None] * n_head + torch.arange(n_head, device=device)) * max_len
         self._flat = tuple(x.view(n_layer, rows * n_head * max_len, head_dim) for x in (self.k, self.v))  # same storage
 
     @property
@@ -87,10 +89,7 @@ class KVCache:
         """(R * heads,) each row's next entry in a layer's buffer viewed as (R * heads * max_len,
         hd) rows; built once per length change, shared by every layer's write."""
         if self._next is None:
-            _, rows, heads, t, _ = self.k.shape
-            dev = self.k.device
-            base = (torch.arange(rows, device=dev)[:, None] * heads + torch.arange(heads, device=dev)) * t
-            self._next = (base + self.lengths[:, None]).flatten()
+            self._next = (self._base + self.lengths[:, None]).flatten()
         return self._next
 
     def advance(self, n: int) -> None:
@@ -182,14 +181,11 @@ class KVCache:
         hi = min(int(np.max(counts, initial=0)), idx.shape[1])  # columns past every row's count: nothing to keep
         if hi > 1:
             dev = self.k.device
-            _, rows, heads, t, hd = self.k.shape
             first = torch.from_numpy(np.asarray(start, dtype=np.int64)).to(dev)[:, None]  # (R, 1)
             src = first + idx[:, 1:hi]  # (R, hi - 1)
             dst = first + torch.arange(1, hi, device=dev)  # (R, hi - 1)
-            base = (torch.arange(rows, device=dev)[:, None] * heads + torch.arange(heads, device=dev)) * t  # (R, heads)
-            src, dst = ((base[:, :, None] + x[:, None]).flatten() for x in (src, dst))  # entries of a (R*heads*t) axis
-            for buf in (self.k, self.v):  # one gather and one copy per buffer over all layers (contiguous hd rows)
-                flat = buf.view(buf.shape[0], rows * heads * t, hd)
+            src, dst = ((self._base[:, :, None] + x[:, None]).flatten() for x in (src, dst))  # entries of `_flat`
+            for flat in self._flat:  # one gather and one copy per buffer over all layers (contiguous hd rows)
                 flat.index_copy_(1, dst, flat.index_select(1, src))
         self.set_lengths(np.asarray(start) + np.asarray(counts))
 
