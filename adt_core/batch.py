@@ -50,6 +50,8 @@ from adt_core.sampling import cfg_mix
 from adt_core.tree import rerank_batch, tree_of
 from adt_core.verify import Relaxation, follow_batch, verify_coupled, verify_greedy, verify_stochastic
 
+HOLD = 0.01  # idle batch a split wave may spend waiting to refill together, as a share of an image's rounds
+
 
 @dataclass(frozen=True)
 class DecodeSetup:
@@ -154,6 +156,24 @@ class BatchDecoder:
 
     def active(self) -> list[int]:
         return np.flatnonzero(self.slots.active).tolist()
+
+    def admits_now(self) -> bool:
+        """Whether free slots take new images now (`Generator.rounds` asks before refilling).
+
+        A probe leaves slots a token or two apart, so they finish in different rounds. Refilled
+        at once, the wave stays split: later plain steps write the cache row by row (the
+        ragged path, ~1% of a step at 16 in flight here) and prompts prefill in small groups.
+        While the planner expects plain steps and the rest of the wave finishes soon, the free
+        slots wait for it, at most HOLD of an image's rounds of idle batch (free fraction x
+        rounds left); then the wave refills together and steps as `ar`'s do."""
+        s = self.slots
+        a = int(s.active.sum())
+        if a == 0 or a == self.capacity:
+            return True
+        left = int(np.max(self.n - s.host_count[s.active]))
+        if not self.planner.plain_ahead(a, left):
+            return True
+        return (1 - a / self.capacity) * left > HOLD * self.n
 
     @torch.inference_mode()
     def admit(self, items: list[tuple[int, str, int]], rows: PromptRows | torch.Tensor,

@@ -87,14 +87,24 @@ class Generator:
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         if not prompts:
             return
-        dec = self.decoder(min(self.config.batch_size, len(prompts)))
+        cap = min(self.config.batch_size, len(prompts))
+        dec = self.decoder(cap)
         queue = deque((i, p, int(s)) for i, (p, s) in enumerate(zip(prompts, seeds)))
-        while queue or dec.active():
+        ready: list[tuple[int, str, int]] = []  # items encoded ahead (rows[used:] are theirs)
+        rows, used = None, 0
+        while queue or ready or dec.active():
             free = len(dec.free())
-            if queue and free:
-                items = [queue.popleft() for _ in range(min(free, len(queue)))]
-                items, rows, failed = self._encode(items)
-                yield failed + (list(self._finish(dec.admit(items, rows))) if items else [])
+            if free and (ready or queue) and dec.admits_now():
+                failed = []
+                if not ready:  # the next `cap` prompts at once: slots free up a few at a time, and the
+                    # encoder's cost per prompt falls with its batch (rows are batch-invariant)
+                    ready, rows, failed = self._encode([queue.popleft() for _ in range(min(cap, len(queue)))])
+                    used = 0
+                n = min(free, len(ready))
+                items, ready = ready[:n], ready[n:]
+                part = rows if used == 0 and not ready else rows.select(used, used + n)
+                used += n
+                yield failed + (list(self._finish(dec.admit(items, part))) if items else [])
                 continue
             yield list(self._finish(dec.step()))
 

@@ -75,10 +75,15 @@ class Planner:
     def observe_plain(self, slots: int, round_ms: float) -> None:
         """A plain step finished."""
 
+    def plain_ahead(self, slots: int, rounds: int) -> bool:
+        """True when the next `rounds` rounds with `slots` active will be plain steps (never for
+        `ar`, whose slots finish together, nor for the methods that always draft)."""
+        return False
+
     def feeds_drafter(self, slots: int) -> bool:
         """Whether a plain step with `slots` active must keep its pairs for the drafter (False
         when the next RESUME rounds will not draft: their pairs are skipped for good)."""
-        return self.drafts
+        return self.drafts and not self.plain_ahead(slots, RESUME)
 
     @staticmethod
     def _fixed(depth: np.ndarray, width: int, nodes: int) -> RoundPlan | None:
@@ -232,8 +237,8 @@ class CostPlanner(ShapePlanner):
         fail = np.flatnonzero(~pays)
         self.depth_cap = min(plan.levels + 1, self.cfg.d_max) if fail.size == 0 else max(1, int(fail[0]))
 
-    def feeds_drafter(self, slots: int) -> bool:
-        return not self.guard.plain_ahead(slots, RESUME)
+    def plain_ahead(self, slots: int, rounds: int) -> bool:
+        return self.guard.plain_ahead(slots, rounds)
 
     def observe_plain(self, slots: int, round_ms: float) -> None:
         cost = self._cost_ms(round_ms)

@@ -13,7 +13,7 @@ from collections import deque
 
 import numpy as np
 
-from adt_core.results import RoundTrace, StepStats
+from adt_core.results import RoundTraces, StepStats
 
 FIELDS = ("round", "serial", "position", "depth", "width", "nodes", "accepted", "draft_ms", "verify_ms", "slots",
           "tokens")
@@ -118,11 +118,9 @@ class RoundLog:
         )
         if self.traced:
             rows = self._rows(b)
-            ints = rows[:, INTS].astype(np.int64).tolist()
-            ms = rows[:, 7:9].tolist()
-            stats.accepted_lengths = [r[4] for r in ints]
-            stats.rounds = [RoundTrace(p, d, w, n, a, dm, vm, sl, tk)
-                            for (p, d, w, n, a, sl, tk), (dm, vm) in zip(ints, ms)]
+            ints = rows[:, INTS].astype(np.int64)
+            stats.accepted_lengths = ints[:, 4].tolist()
+            stats.rounds = RoundTraces(ints, rows[:, 7:9].copy())
         self.serial[b] = -1
         self._prune()
         return stats

@@ -178,6 +178,19 @@ class PromptRows:
     def cfg(self) -> bool:
         return self.rows == 2 * self.images
 
+    def select(self, start: int, stop: int) -> "PromptRows":
+        """Images start .. stop - 1 (their cond rows, then their uncond rows), as `rows` would make
+        them for those prompts alone: padding trimmed to their longest row."""
+        b = self.images
+        idx = torch.arange(start, stop, device=self.lengths.device)
+        if self.cfg:
+            idx = torch.cat([idx, idx + b])
+        lengths = self.lengths[idx]
+        n = int(lengths.max()) if idx.numel() else 0
+        cut = lambda x: None if x is None else x[idx.to(x.device), :n]  # noqa: E731
+        return PromptRows(cut(self.tokens), cut(self.embeds), cut(self.valid), cut(self.positions), lengths,
+                          stop - start)
+
     def causal_mask(self) -> torch.Tensor:
         """(R, 1, L, L) bool prefill mask: causal over valid keys; a query always sees itself."""
         n = self.valid.shape[1]

@@ -134,3 +134,32 @@ def test_ragged_cache_rows_hold_exactly_the_committed_prefix(method, cfg_scale):
             for b in dec.free():  # retired rows are empty again
                 assert all(int(dec.cache.lengths[b + dec.capacity * i]) == 0 for i in range(g.cfg_rows))
     assert done == 5 and rounds > 4
+
+
+def test_a_split_wave_waits_briefly_to_refill_together_while_plain_steps_are_ahead():
+    """After a probe leaves slots a token apart, free slots wait for the rest of their wave when
+    it finishes within HOLD of an image's rounds of idle batch and the planner expects plain
+    steps; otherwise (drafting ahead, a long wait, `ar`) they refill at once."""
+    from adt_core.batch import HOLD
+
+    bundle = random_bundle(seed=5, vocab=16, grid=(8, 8))  # 64 tokens: HOLD allows 0.64 rounds of idle batch
+    g = Generator(bundle, DecodeConfig(method="adt", temperature=0.0, batch_size=4,
+                                       adaptive=AdaptiveConfig(budget="cost")))
+    g.use_costs(COSTS)
+    d = g.decoder(4)
+    items, rows, _ = g._encode([(i, p, s) for i, (p, s) in enumerate(zip(PROMPTS[:4], SEEDS))])
+    d.admit(items, rows)
+    d.planner.plain_ahead = lambda slots, rounds: True
+    n = d.n
+    d.slots.active[0] = False  # one slot finished a round early
+    d.slots.host_count[1:] = n - 2  # the others need 2 more rounds: 1/4 idle x 2 = 0.5 <= 0.64
+    assert (1 - 3 / 4) * 2 <= HOLD * n and not d.admits_now()
+    d.slots.host_count[1:] = n - 3  # 0.75 rounds of idle batch: refill now
+    assert d.admits_now()
+    d.slots.host_count[1:] = n - 2
+    d.planner.plain_ahead = lambda slots, rounds: False  # drafting ahead: rows stay ragged anyway
+    assert d.admits_now()
+    ar = Generator(bundle, DecodeConfig(method="ar", temperature=0.0, batch_size=4)).decoder(4)
+    ar.admit(items, rows)
+    ar.slots.active[0], ar.slots.host_count[1:] = False, n - 2
+    assert ar.admits_now()  # ar never waits (its slots finish together unless a prompt failed)

@@ -54,6 +54,49 @@ def test_ar_batch_equals_single():
         assert torch.equal(a.tokens, b.tokens)
 
 
+def test_prompts_are_encoded_a_batch_at_a_time_while_slots_refill_one_by_one():
+    """Slots of a drafting method finish at different rounds and refill a few at a time; the
+    prompts are still encoded `batch_size` at once (the encoder's cost per prompt falls with
+    its batch), and every image is the one `ar` makes."""
+    bundle = random_bundle(seed=2, vocab=32, grid=(4, 4))
+    prompts, seeds = [f"{w} {i}" for i, w in enumerate(PROMPTS * 4)][:10], list(range(10))
+    ref = Generator(bundle, DecodeConfig(method="ar", temperature=0.0, batch_size=4)).generate(prompts, seeds)
+    g = Generator(bundle, DecodeConfig(method="eagle2", temperature=0.0, batch_size=4))
+    encoded, admitted = [], []
+    rows, admit = g.prompter.rows, None
+
+    def counted_rows(ps, cfg):
+        encoded.append(len(ps))
+        return rows(ps, cfg)
+
+    g.prompter.rows = counted_rows
+    make = g.decoder
+
+    def decoder(capacity):
+        d = make(capacity)
+        inner = d.admit
+        d.admit = lambda items, part, *a: admitted.append(len(items)) or inner(items, part, *a)
+        return d
+
+    g.decoder = decoder
+    out = g.generate(prompts, seeds)
+    assert encoded == [4, 4, 2] and sum(admitted) == 10 and len(admitted) > 3  # refilled in smaller groups
+    for a, b in zip(ref, out):
+        assert torch.equal(a.tokens, b.tokens)
+
+
+def test_prompt_rows_of_some_images_are_those_images_encoded_alone():
+    from adt_core.models.contract import token_rows
+
+    cond, uncond = [[5, 6, 7], [8], [9, 10, 11, 12]], [[1, 2], [1], [1, 2, 3]]
+    whole = token_rows(cond + uncond, 3)
+    for start, stop in ((0, 1), (1, 2), (0, 2), (1, 3)):
+        part, alone = whole.select(start, stop), token_rows(cond[start:stop] + uncond[start:stop], stop - start)
+        assert part.images == alone.images and part.cfg
+        for f in ("tokens", "valid", "positions", "lengths"):
+            assert torch.equal(getattr(part, f), getattr(alone, f)), (start, stop, f)
+
+
 @pytest.mark.parametrize("method", ["ar", "eagle2", "static"])
 def test_same_seed_same_image(method):
     bundle = random_bundle(seed=3, vocab=32, grid=(4, 4))
