@@ -62,6 +62,7 @@ class BatchBudget:
     def __init__(self, costs: CostTable, cfg: AdaptiveConfig, samples: int = SAMPLES) -> None:
         self.costs, self.cfg, self.samples = costs, cfg, samples
         self.ratios: dict[int, list[float]] = {}  # bucket -> its latest comparisons (drafted / plain rate)
+        self.verdict: dict[int, bool] = {}  # bucket -> drafting measured faster (once it has `samples` comparisons)
         self.recent: dict[tuple[int, bool], list[tuple[int, float]]] = {}  # (bucket, drafted) -> (round, rate)
         self.round = 0  # rounds measured
         self.since_probe = 0
@@ -88,10 +89,7 @@ class BatchBudget:
 
     def _winner(self, k: int) -> bool | None:
         """Whether drafting measured faster in bucket k (None: not enough comparisons yet)."""
-        r = self.ratios.get(k, [])
-        if len(r) < self.samples:
-            return None
-        return _median(r) > EDGE
+        return self.verdict.get(k)
 
     def _choice(self, k: int) -> bool | None:
         """Bucket k's choice: its own winner, else plain steps where the nearest measured bucket
@@ -99,8 +97,10 @@ class BatchBudget:
         better = self._winner(k)
         if better is not None:
             return better
-        known = sorted((b for b in self.ratios if self._winner(b) is not None), key=lambda b: abs(b - k))
-        return False if known and not self._winner(known[0]) else None
+        if not self.verdict:
+            return None
+        nearest = min(self.verdict, key=lambda b: abs(b - k))
+        return False if not self.verdict[nearest] else None
 
     def worth_drafting(self, a: int) -> bool:
         k = self.bucket(a)
@@ -135,6 +135,8 @@ class BatchBudget:
                 ratios = self.ratios.setdefault(k, [])
                 ratios.append(rate / ref if drafted else ref / rate)
                 del ratios[:-WINDOW]
+                if len(ratios) >= self.samples:
+                    self.verdict[k] = _median(ratios) > EDGE
         mine = self.recent.setdefault((k, drafted), [])
         mine.append((self.round, rate))
         del mine[:-NEAR]
