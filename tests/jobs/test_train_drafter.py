@@ -1,10 +1,12 @@
 """jobs.train_drafter end to end on a tiny random bundle: real local Ray, real Ray Train workers
 (2 CPU workers, DDP over gloo), real Parquet from the project's batch job, checkpoints on a local
-folder and on the loopback moto S3 server; a killed worker and a killed driver resume from the
-last checkpoint and end where an uninterrupted run ends."""
+folder and on the loopback moto S3 server; a killed worker (checkpoints on S3) and a killed driver
+(checkpoints in a local folder) resume from the last checkpoint and end where an uninterrupted run
+ends."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -13,6 +15,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -32,6 +35,20 @@ TINY = ["--steps", str(STEPS), "--num-workers", "2",
         "--set", "train.eval_every=6", "--set", "distill.heldout_fraction=0.2", "--set", "distill.decode_batch_size=8",
         "--set", "train.warmup=2"]
 NO_EVAL = ["--set", "eval.limit=0"]
+# Ray Train's controller takes a worker's report (its result queue holds one) and notices a dead
+# worker or a finished run only when it polls, every 2 s by default: most of a 12-step run's
+# time. Polling faster changes when the controller looks, not what it does (a missed poll is
+# only an error after the 10-minute health-check timeout). Ray reads this from the driver's
+# environment and hands it to the controller.
+FAST_POLL = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fast_train_polls():
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in FAST_POLL.items():
+            mp.setenv(k, v)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -79,14 +96,46 @@ def baseline(ray_local, prompts, bundle_dir, tmp_path_factory) -> Path:
     return out
 
 
-def final_state(out: Path) -> dict:
-    snap = json.loads((out / "train" / "checkpoint_manager_snapshot.json").read_text())
+def _reader(out):
+    """key -> bytes of a run's output: a local folder (Path) or an S3 prefix (client, bucket, prefix)."""
+    if isinstance(out, Path):
+        return lambda key: (out / key).read_bytes()
+    client, bucket, prefix = out
+    return lambda key: client.get_object(Bucket=bucket, Key=f"{prefix}/{key}")["Body"].read()
+
+
+def final_state(out) -> dict:
+    read = _reader(out)
+    snap = json.loads(read("train/checkpoint_manager_snapshot.json"))
     name = snap["latest_checkpoint_result"]["checkpoint_dir_name"]
-    return torch.load(out / "train" / name / "state.pt", weights_only=True)
+    return torch.load(io.BytesIO(read(f"train/{name}/state.pt")), weights_only=True)
 
 
-def metric_steps(out: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+def metric_steps(out) -> list[int]:
+    return [json.loads(line)["step"] for line in _reader(out)("metrics.jsonl").decode().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def killed_on_s3(baseline, bundle_dir, moto_endpoint, tmp_path_factory) -> SimpleNamespace:
+    """One run with its checkpoints on the loopback S3 server whose rank-1 worker SIGKILLs itself
+    once at step 7: Ray Train restarts the worker group from the step-5 checkpoint on S3. The
+    worker-kill test and the S3 test both read this run (each run costs a controller and a
+    worker group's start-up: the S3 layout needs no run of its own)."""
+    import boto3
+
+    marker = tmp_path_factory.mktemp("killed") / "killed"
+    bucket = "train-" + uuid.uuid4().hex[:10]
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in DUMMY_AWS.items():
+            mp.setenv(k, v)
+        mp.setenv(FAULT_ENV, f"kill:1:7:{marker}")  # rank 1 SIGKILLs itself once, at step 7
+        client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
+        client.create_bucket(Bucket=bucket)
+        code = train_drafter.main(TINY + NO_EVAL + ["--bundle", str(bundle_dir), "--data", str(baseline / "data"),
+                                                    "--out", f"s3://{bucket}/run",
+                                                    "--set", f"storage.endpoint_url={moto_endpoint}",
+                                                    "--set", "export_bundle=false"])
+    return SimpleNamespace(code=code, marker=marker, client=client, bucket=bucket, out=(client, bucket, "run"))
 
 
 def test_two_workers_end_to_end(baseline):
@@ -116,14 +165,10 @@ def test_two_workers_end_to_end(baseline):
         torch.testing.assert_close(v.float(), state["model"][k].half().float())
 
 
-def test_worker_killed_mid_run_resumes(baseline, bundle_dir, tmp_path, monkeypatch):
-    out = tmp_path / "out"
-    marker = tmp_path / "killed"
-    monkeypatch.setenv(FAULT_ENV, f"kill:1:7:{marker}")  # rank 1 SIGKILLs itself once, at step 7
-    code = train_drafter.main(TINY + NO_EVAL + ["--bundle", str(bundle_dir), "--data", str(baseline / "data"),
-                                                "--out", str(out)])
-    assert code == 0
-    assert marker.exists(), "the worker was not killed"
+def test_worker_killed_mid_run_resumes(baseline, killed_on_s3):
+    assert killed_on_s3.code == 0
+    assert killed_on_s3.marker.exists(), "the worker was not killed"
+    out = killed_on_s3.out
     state, ref = final_state(out), final_state(baseline)
     assert state["step"] == ref["step"] == STEPS
     for k in ref["model"]:  # resumed from step 5: the same batches, noise and moments
@@ -139,7 +184,7 @@ def _driver(args: list[str], env: dict, log: Path) -> subprocess.Popen:
 def test_driver_killed_mid_run_resumes(baseline, bundle_dir, tmp_path):
     out = tmp_path / "out"
     log = tmp_path / "driver.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | DUMMY_AWS
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | DUMMY_AWS | FAST_POLL
     args = TINY + NO_EVAL + ["--bundle", str(bundle_dir), "--data", str(baseline / "data"), "--out", str(out),
                              "--ray-address", "local"]
     proc = _driver(args, env | {FAULT_ENV: "delay:0.5"}, log)
@@ -192,19 +237,9 @@ def _reap(proc: subprocess.Popen) -> None:
     proc.wait(30)
 
 
-def test_checkpoints_on_loopback_s3(baseline, bundle_dir, moto_endpoint, monkeypatch):
-    import boto3
-
-    for k, v in DUMMY_AWS.items():
-        monkeypatch.setenv(k, v)
-    client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
-    bucket = "train-" + uuid.uuid4().hex[:10]
-    client.create_bucket(Bucket=bucket)
-    code = train_drafter.main(TINY + NO_EVAL + ["--bundle", str(bundle_dir), "--data", str(baseline / "data"),
-                                                "--out", f"s3://{bucket}/run",
-                                                "--set", f"storage.endpoint_url={moto_endpoint}",
-                                                "--set", "export_bundle=false"])
-    assert code == 0
+def test_checkpoints_on_loopback_s3(killed_on_s3):
+    client, bucket = killed_on_s3.client, killed_on_s3.bucket
+    assert killed_on_s3.code == 0
     keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="run/")["Contents"]}
     assert {"run/result.json", "run/train_config.json", "run/metrics.jsonl", "run/drafter/model.safetensors",
             "run/drafter/config.json", "run/train/checkpoint_manager_snapshot.json"} <= keys
