@@ -9,6 +9,7 @@ The prompts are read (and materialized: a few hundred bytes per prompt in the ob
 before the actors start, because the generation stage runs under a 1-byte block-size target:
 each chunk a worker yields is handed on at once instead of being held until Ray Data's
 default 128 MiB block fills, and that target would split the prompt read into one-row blocks.
+The prompt files go through Ray Data's V1 Parquet reader (`_read_prompt_files`).
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def _dataset(run: PoolRun, plan: ActorPlan):
     if ctx.wait_for_min_actors_s < 0:
         ctx.wait_for_min_actors_s = 1800  # fail rather than hang when actors cannot be placed
     source = run.source
-    ds = ray.data.read_parquet(source.paths, filesystem=source.filesystem).select_columns(source.columns)
+    ds = _read_prompt_files(source).select_columns(source.columns)
     if len(run.todo) < len(source.ids):
         ds = ds.map_batches(_keep_ids, fn_kwargs={"ids": pa.array(run.todo, pa.string())}, batch_format="pyarrow")
     # Small prompt files arrive as one block (one actor would get everything): split by rows.
@@ -162,6 +163,24 @@ def _dataset(run: PoolRun, plan: ActorPlan):
     )
     ds.context.target_max_block_size = STREAM_BLOCK_BYTES  # this dataset's context: the prompt read is done
     return ds
+
+
+def _read_prompt_files(source: PromptSource):
+    """The prompt files as a Ray Dataset, through Ray Data's V1 Parquet reader. The V2 reader
+    (Ray 2.60's default) starts a pool of 32 footer-reading actors for every read, each a new
+    worker process: ~5 s of every job's start-up on a small machine, for a one-file prompt
+    list. V1 opens the files in the driver and samples at most 10 of them in Ray tasks (on the
+    pooled task workers); both read the rows in Ray tasks. Only this read is switched: the
+    process's DataContext is put back."""
+    import ray
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
+    saved, ctx.use_datasource_v2 = ctx.use_datasource_v2, False
+    try:
+        return ray.data.read_parquet(source.paths, filesystem=source.filesystem)
+    finally:
+        ctx.use_datasource_v2 = saved
 
 
 def _pump(run: PoolRun, plan: ActorPlan) -> None:
