@@ -158,14 +158,11 @@ class BatchDecoder:
         return np.flatnonzero(self.slots.active).tolist()
 
     def admits_now(self) -> bool:
-        """Whether free slots take new images now (`Generator.rounds` asks before refilling).
-
-        A probe leaves slots a token or two apart, so they finish in different rounds. Refilled
-        at once, the wave stays split: later plain steps write the cache row by row (the
-        ragged path, ~1% of a step at 16 in flight here) and prompts prefill in small groups.
-        While the planner expects plain steps and the rest of the wave finishes soon, the free
-        slots wait for it, at most HOLD of an image's rounds of idle batch (free fraction x
-        rounds left); then the wave refills together and steps as `ar`'s do."""
+        """Whether free slots take new images now (`Generator.rounds` asks before refilling). A
+        probe leaves slots a token or two apart; refilled at once, the wave stays split (plain
+        steps on the cache's ragged path, prefills in small groups). While plain steps are ahead
+        the free slots wait for the rest of the wave, at most HOLD of an image's rounds of idle
+        batch (free fraction x rounds left), and the wave refills together, as `ar`'s does."""
         s = self.slots
         a = int(s.active.sum())
         if a == 0 or a == self.capacity:
