@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional, TextIO
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from pipeline.checks import JobRefused
 from pipeline.cluster import ActorPlan, autoscaler_max_resources, plan_actors, plan_gpu_demand, ray_target, wait_for_gpus
@@ -29,7 +28,7 @@ from pipeline.config import JobConfig
 from pipeline.ledger import Ledger
 from pipeline.progress import Progress, quiet_ray_data
 from pipeline.progress_sink import RowSink
-from pipeline.prompts import PromptSource
+from pipeline.prompts import PromptSource, keep_ids
 from pipeline.retry import StorageUnavailable, is_transient
 from pipeline.storage import is_remote
 from pipeline.worker import GeneratorWorker, unpack
@@ -58,10 +57,6 @@ class JobInterrupted(BaseException):
     def __init__(self, signum: int):
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
         self.signum = signum
-
-
-def _keep_ids(batch: pa.Table, ids: pa.Array) -> pa.Table:
-    return batch.filter(pc.is_in(batch["prompt_id"], value_set=ids))
 
 
 def _dataset_failure(err: BaseException, source: PromptSource) -> Optional[StorageUnavailable]:
@@ -146,7 +141,7 @@ def _dataset(run: PoolRun, plan: ActorPlan):
     source = run.source
     ds = _read_prompt_files(source).select_columns(source.columns)
     if len(run.todo) < len(source.ids):
-        ds = ds.map_batches(_keep_ids, fn_kwargs={"ids": pa.array(run.todo, pa.string())}, batch_format="pyarrow")
+        ds = ds.map_batches(keep_ids, fn_kwargs={"ids": pa.array(run.todo, pa.string())}, batch_format="pyarrow")
     # Small prompt files arrive as one block (one actor would get everything): split by rows.
     per_block = max(1, min(rows, math.ceil(len(run.todo) / (plan.pool_max * 4))))
     prompts = ds.repartition(target_num_rows_per_block=per_block).materialize()  # read errors: see _pump

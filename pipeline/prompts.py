@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -211,3 +212,10 @@ def select_ids(source: PromptSource, limit: Optional[int], done: set[str]) -> tu
     wanted = source.ids[:limit] if limit else source.ids
     todo = [i for i in wanted if i not in done]
     return todo, len(wanted) - len(todo)
+
+
+def keep_ids(batch: pa.Table, ids: pa.Array) -> pa.Table:
+    """The rows of `batch` whose prompt_id is in `ids`. The driver's Ray Data tasks run it: it
+    lives here, not in execute.py, because a task worker imports the module of the function it
+    runs, and execute.py's imports reach torch (~4 s for every fresh worker on a small machine)."""
+    return batch.filter(pc.is_in(batch["prompt_id"], value_set=ids))
