@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import io
-import os
 import re
 import uuid
 
@@ -31,21 +30,12 @@ CHARTS = ["status", "throughput", "time", "speedup", "acceptance", "tree_maps", 
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    saved = {k: os.environ.get(k) for k in AWS}
-    os.environ.update(AWS)
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, num_gpus=0, object_store_memory=256 * 1024**2, include_dashboard=False,
-                 runtime_env={"env_vars": AWS}, namespace="report-tests-" + uuid.uuid4().hex[:6],
-                 _system_config={"worker_niceness": 0})
-    yield ray
-    if started:
-        ray.shutdown()
-    for k, v in saved.items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+def ray_local(ray_session):
+    """The session's in-process Ray (its workers get the dummy credentials), AWS here too."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in AWS.items():
+            mp.setenv(k, v)
+        yield ray_session
 
 
 def _prompts(path, n_ok: int, bad: int):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import uuid
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -18,16 +17,8 @@ from jobs.study_table import CellResult, CellSpec, measure_cell, results_table  
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, num_gpus=0, object_store_memory=256 * 1024**2, include_dashboard=False,
-                 namespace="study-tests-" + uuid.uuid4().hex[:6], _system_config={"worker_niceness": 0})
-    yield ray
-    if started:
-        ray.shutdown()
+def ray_local(ray_session):
+    return ray_session  # the session's in-process Ray (tests/conftest.py)
 
 
 def _args(tmp_path, methods: str):

@@ -52,20 +52,12 @@ def fast_train_polls():
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    if ray.is_initialized():
-        yield ray
-        return
-    os.environ.update(DUMMY_AWS)
-    ray.init(num_cpus=4, num_gpus=0, object_store_memory=256 * 1024**2, include_dashboard=False,
-             runtime_env={"env_vars": dict(DUMMY_AWS)}, namespace="train-drafter-" + uuid.uuid4().hex[:6],
-             _system_config={"worker_niceness": 0})
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
+def ray_local(ray_session):
+    """The session's in-process Ray (its workers get DUMMY_AWS), dummy credentials here too."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in DUMMY_AWS.items():
+            mp.setenv(k, v)
+        yield ray_session
 
 
 @pytest.fixture(scope="module")
