@@ -166,8 +166,9 @@ def test_anole_whole_image_ends_with_its_forced_end(anole):
     assert (layout.grid_h, layout.grid_w, layout.eol, layout.end) == (32, 32, None, 8196)
     rows = anole.prompter.rows(PROMPTS[:1], True)
     assert rows.tokens[1, : int(rows.lengths[1])].tolist() == [0, 8197]  # uncond: BOS + image start
-    ar = run(anole, "ar", 2, temperature=1.0, top_k=3, cfg_scale=3.0)
-    spec = run(anole, "eagle2", 2, temperature=1.0, top_k=3, cfg_scale=3.0, tree=TreeConfig(depth=3, top_k=3, budget=8))
+    # batch 3: the three 1024-code images in one wave, not two (an image does not depend on the batch)
+    ar = run(anole, "ar", 3, temperature=1.0, top_k=3, cfg_scale=3.0)
+    spec = run(anole, "eagle2", 3, temperature=1.0, top_k=3, cfg_scale=3.0, tree=TreeConfig(depth=3, top_k=3, budget=8))
     assert torch.equal(codes(ar), codes(spec))
     for r in ar:
         assert r.tokens.shape == (32, 32)
