@@ -1,11 +1,11 @@
 """adt_core: exact speculative decoding (EAGLE-2, static and ADT-Tree draft trees) for
 LlamaGen-architecture visual autoregressive models. Torch only: no Ray, no storage."""
 
+from adt_core.bundles.bundle import Bundle, random_bundle, save_bundle
+from adt_core.bundles.loader import load_bundle
 from adt_core.config import AdaptiveConfig, DecodeConfig, LanternConfig, SamplingConfig, TreeConfig
 from adt_core.engine import Generator
 from adt_core.results import GenerationResult, PromptFailure, RoundTrace, StepStats
-from adt_core.models.bundle import Bundle, random_bundle, save_bundle
-from adt_core.models.loader import load_bundle
 
 __all__ = [
     "AdaptiveConfig", "Bundle", "DecodeConfig", "GenerationResult", "Generator", "LanternConfig",

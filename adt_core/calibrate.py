@@ -5,7 +5,7 @@ steps. On a GPU cost(n) is nearly flat up to large n; on a CPU it grows early, a
 images in flight a forward is already wide before any draft token is added. Both tables are
 keyed by the TOTAL new tokens of one forward over every slot in flight (per CFG pair: with
 guidance each token runs on a cond and an uncond row), measured with up to `slots` slots of
-equal width on a mid-image prefix. The batch cost budget (adt_core/budget.py) reads them;
+equal width on a mid-image prefix. The batch cost budget (adt_core/round/budget.py) reads them;
 `python -m jobs.bench --calibrate` prints them.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from adt_core.models.gpt import LlamaGenGPT
+from adt_core.families.llamagen.model import LlamaGenGPT
 
 SIZES = (1, 8, 16, 32, 64)
 
@@ -170,7 +170,7 @@ def measure_draft_cost(drafter, head, cfg_scale: float, rows: int, sizes: tuple[
     (split over up to `slots` slots): a drafter forward under a mask on a cached prefix, the
     target's head, CFG mixing and the top-k of every node, as `TreeProposer` runs it. Token ids
     are drawn below `vocab_size` (the target's; default: the drafter's own embedding rows)."""
-    from adt_core.sampling import cfg_mix
+    from adt_core.round.sampling import cfg_mix
 
     w = drafter.fc.weight
     dim = w.shape[0]

@@ -114,7 +114,7 @@ class AdaptiveConfig:
     mode: str = "bisect"  # bisect | step
     l_d: int = 1
     l_k: int = 2
-    # cost: the batch cost budget (adt_core/budget.py) sizes every round from this device's measured
+    # cost: the batch cost budget (adt_core/round/budget.py) sizes every round from this device's measured
     # costs, and never drafts where it does not pay; shape: the paper's fixed n = gamma d k trees,
     # slower wherever a verify forward is not flat in its width (a CPU, a large batch)
     budget: str = "cost"  # cost | shape

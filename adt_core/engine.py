@@ -1,16 +1,16 @@
 """Generator: the one entry point of decoding (vanilla AR and speculative trees), batched.
 
-The engine speaks the model contract (adt_core/models/contract.py): the bundle's family gives
+The engine speaks the model contract (adt_core/families/contract.py): the bundle's family gives
 prompt rows (cond, then uncond with CFG; each row its own length), a layout and an image
 vocabulary. A row r holds its prompt entries 0 .. base[r] - 1, then image index i at sequence
 position base[r] + layout.offset(i); the target's output one position earlier predicts it (the
 last prompt entry predicts index 0). The engine works in image-index and code space: the
-models read ids (`ImageVocab.to_id`) and give logits over codes. LlamaGen (models/llamagen.py):
+models read ids (`ImageVocab.to_id`) and give logits over codes. LlamaGen (families/llamagen/prompt.py):
 T caption rows for cond and uncond alike, index i at T + i, id == code.
 
 A Generator fixes, once, everything a decode needs (`DecodeSetup`: the sampler strategy, the
 drafter's scorer, the cost table of the cost budget, LANTERN's relaxation) and streams prompts
-through a `BatchDecoder` (adt_core/batch.py): up to `DecodeConfig.batch_size` images in flight, a
+through a `BatchDecoder` (adt_core/round/decoder.py): up to `DecodeConfig.batch_size` images in flight, a
 prompt entering as soon as a slot frees (continuous refill). With the coupled sampler (or greedy)
 every image's tokens are a function of its prompt, seed and config only: not of the method, the
 batch or the order of prompts.
@@ -24,14 +24,14 @@ from typing import Iterator
 
 import torch
 
-from adt_core.batch import BatchDecoder, DecodeSetup
+from adt_core.bundles.bundle import Bundle
 from adt_core.calibrate import CostTable, Timer, batch_sizes, measure_draft_cost, measure_target_cost
 from adt_core.config import DecodeConfig, SamplingConfig
-from adt_core.draft import DraftScorer
-from adt_core.models.bundle import Bundle
 from adt_core.results import GenerationResult, PromptFailure, estimate_speedup
-from adt_core.sampler import Sampler
-from adt_core.verify import Relaxation
+from adt_core.round.decoder import BatchDecoder, DecodeSetup
+from adt_core.round.draft import DraftScorer
+from adt_core.round.sampler import Sampler
+from adt_core.round.verify import Relaxation
 
 # measured target costs: model -> {(device, dtype, rows): table}; entries die with the model
 _COSTS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, CostTable]]" = weakref.WeakKeyDictionary()

@@ -187,7 +187,7 @@ def decode_workspace(decoder, grid: tuple[int, int]) -> int:
 def tree_extent(config) -> tuple[int, int]:
     """(nodes of the widest verified tree, drafter cache entries a round may feed) for a
     DecodeConfig, as BatchDecoder sizes its caches (0, 0 for AR)."""
-    from adt_core.planner import bucket
+    from adt_core.round.plan import bucket
 
     if config.method == "ar":
         return 0, 0

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, LanternConfig, TreeConfig, load_bundle, random_bundle
+from adt_core.bundles.bundle import Bundle
 from adt_core.calibrate import SIZES, measure_draft_level, measure_target_cost
-from adt_core.models.bundle import Bundle
 
 DEFAULT_METHODS = "ar,static,eagle2,adt,adt+cost,adt+lantern,adt+cost+lantern"
 

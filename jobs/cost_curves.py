@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from adt_core.calibrate import measure_target_cost
-from adt_core.models.gpt import GPTConfig, LlamaGenGPT
+from adt_core.families.llamagen.model import GPTConfig, LlamaGenGPT
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
 BATCHES = (1, 16, 64)

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, TreeConfig
+from adt_core.bundles.bundle import Bundle
 from adt_core.results import PromptFailure
-from adt_core.models.bundle import Bundle
 
 METHODS = {
     "ar": dict(method="ar"),

@@ -25,11 +25,11 @@ def _bundle_sampling(cfg: JobConfig):
     if cfg.bundle == "random" or cfg.bundle.startswith("random:"):
         return SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, cfg_scale=2.0)  # random_bundle's defaults
     try:
-        from adt_core.models.bundle import resolve_bundle_dir
+        from adt_core.bundles.bundle import resolve_bundle_dir
 
         path = resolve_bundle_dir(cfg.bundle)
         if path.is_file():  # a manifest (any family) names its sampling defaults
-            from adt_core.models.loader import read_any_manifest
+            from adt_core.bundles.loader import read_any_manifest
 
             return read_any_manifest(path).sampling
         meta = json.loads((path / "bundle.json").read_text())
@@ -70,7 +70,7 @@ def _check_text_encoder(spec: dict) -> None:
     """What building this text encoder imports, without loading weights from a remote path."""
     kind = spec.get("type")
     if kind == "minilm":
-        from adt_core.models.minilm import bundled_model_dir
+        from adt_core.families.llamagen.minilm import bundled_model_dir
 
         if spec.get("model_dir") is None:
             bundled_model_dir()
@@ -101,7 +101,7 @@ def check_bundle(cfg: JobConfig):
         with torch.random.fork_rng(devices=[]):  # random_bundle seeds torch: not this process's RNG
             return random_bundle(seed=int(cfg.bundle.partition(":")[2] or 0))
     from adt_core import load_bundle
-    from adt_core.models.bundle import resolve_bundle_dir
+    from adt_core.bundles.bundle import resolve_bundle_dir
 
     try:
         path = resolve_bundle_dir(cfg.bundle)
@@ -113,12 +113,12 @@ def check_bundle(cfg: JobConfig):
         if path.is_dir():
             meta = json.loads((path / "bundle.json").read_text())
             if meta.get("family", "llamagen") != "llamagen":
-                from adt_core.models.family_bundle import load_family_bundle
+                from adt_core.bundles.family_bundle import load_family_bundle
 
                 return load_family_bundle(path, meta, device="meta")
             _check_text_encoder(meta["text_encoder"])
         else:
-            from adt_core.models.loader import read_any_manifest
+            from adt_core.bundles.loader import read_any_manifest
 
             m = read_any_manifest(path)
             if getattr(m, "text_encoder", None):

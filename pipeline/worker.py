@@ -83,8 +83,8 @@ def load_bundle_spec(spec: str, storage: Optional["StorageSettings"] = None):
     and smoke runs), an embedded bundle name, a bundle directory, or a manifest whose s3://
     checkpoints are read with the job's storage settings (one configuration for both)."""
     import adt_core
-    from adt_core.models.loader import load_any_manifest
-    from adt_core.models.manifest import is_manifest_path
+    from adt_core.bundles.loader import load_any_manifest
+    from adt_core.bundles.manifest import is_manifest_path
 
     if spec == "random" or spec.startswith("random:"):
         seed = int(spec.partition(":")[2] or 0)

@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adt_core.models.drafter import Drafter, DrafterConfig
-from adt_core.models.gpt import LlamaGenGPT
-from adt_core.sampling import cfg_mix
+from adt_core.families.llamagen.drafter import Drafter, DrafterConfig
+from adt_core.families.llamagen.model import LlamaGenGPT
+from adt_core.round.sampling import cfg_mix
 from jobs.train.target import (TokenData, adamw, add_run_args, autocast, count_parameters, init_weights,
                                load_checkpoint, load_target, lr_at, pick_device, save_checkpoint,
                                teacher_forced)

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import torch
 
 from adt_core import DecodeConfig, Generator
-from adt_core.models.drafter import Drafter, DrafterConfig
+from adt_core.families.llamagen.drafter import Drafter, DrafterConfig
 
 Temperature = Union[float, str]  # a float, or "default" (the bundle's)
 
@@ -73,7 +73,7 @@ def drafter_from_state(state: dict, family: str = "llamagen", target=None):
 
 def load_drafter_path(path: Path) -> Drafter:
     """An exported component (config.json + model.safetensors) or a checkpoint dir (state.pt)."""
-    from adt_core.models.bundle import _load_component  # the bundle format's own strict loader
+    from adt_core.bundles.bundle import _load_component  # the bundle format's own strict loader
 
     if (path / "state.pt").is_file():
         return drafter_from_state(torch.load(path / "state.pt", map_location="cpu", weights_only=True))

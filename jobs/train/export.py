@@ -3,7 +3,7 @@
     python -m jobs.train.export --tokenizer runs/tokenizer/final --target runs/target \
         --drafter runs/drafter --data data/emoji --out adt_core/bundles/emoji16
 
-Writes the bundle directory of adt_core/models/bundle.py with save_bundle (bundle.json,
+Writes the bundle directory of adt_core/bundles/bundle.py with save_bundle (bundle.json,
 {target,drafter,vq}/config.json + model.safetensors in fp16) plus provenance.json (the runs it
 came from and their final metrics) and reference.json (jobs.train.reference), prints each component's size and refuses a bundle over
 --max-mb. The text encoder spec comes from DATA/tokens_meta.json (what the captions were
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
+from adt_core.bundles.bundle import Bundle, save_bundle
 from adt_core.config import SamplingConfig
-from adt_core.models.bundle import Bundle, save_bundle
-from adt_core.models.vq import from_pretrained
+from adt_core.families.vqgan import from_pretrained
 from jobs.train.drafter import load_drafter
 from jobs.train.reference import write_reference
 from jobs.train.target import load_target

@@ -62,7 +62,7 @@ def _llamagen_pairs(target, drafter, codes, rows, device, amp, noise, g):
 
 
 def _llamagen_from_state(state, target=None):
-    from adt_core.models.drafter import Drafter, DrafterConfig
+    from adt_core.families.llamagen.drafter import Drafter, DrafterConfig
 
     drafter = Drafter(DrafterConfig(**state["drafter_config"]))
     drafter.load_state_dict(state["model"], strict=True)
@@ -72,20 +72,20 @@ def _llamagen_from_state(state, target=None):
 LLAMAGEN = HeadType(
     "llamagen", build_drafter, _llamagen_arrays, _llamagen_pairs, lambda target: target.head, _llamagen_from_state,
     lambda drafter: dataclasses.asdict(drafter.config),
-    "adt_core.models.drafter.Drafter: one decoder layer over fc([token embedding; feature]), the target's "
+    "adt_core.families.llamagen.drafter.Drafter: one decoder layer over fc([token embedding; feature]), the target's "
     "widths and 2-D RoPE, its token embedding copied and frozen; logits through the target's head",
 )
 
 
 # ---- Janus: token rows, JanusDrafter over the target's image input path and gen_head ------
 def _janus_build(target, ffn_dim=None):
-    from adt_core.models.janus_drafter import new_drafter
+    from adt_core.families.janus.drafter import new_drafter
 
     return new_drafter(target, **({"intermediate_size": ffn_dim} if ffn_dim else {}))
 
 
 def _janus_from_state(state, target):
-    from adt_core.models.janus_drafter import JanusDrafter, JanusDrafterConfig
+    from adt_core.families.janus.drafter import JanusDrafter, JanusDrafterConfig
 
     drafter = JanusDrafter(JanusDrafterConfig.from_dict(state["drafter_config"], "checkpoint"), target)
     drafter.load_state_dict(state["model"], strict=True)
@@ -96,7 +96,7 @@ def _janus_from_state(state, target):
 JANUS = HeadType(
     "janus", _janus_build, token_pairs.prompt_arrays, token_pairs.pairs, lambda target: target.head,
     _janus_from_state, lambda drafter: drafter.config.to_dict(),
-    "adt_core.models.janus_drafter.JanusDrafter: one Llama layer (no input norm) over fc([image input path "
+    "adt_core.families.janus.drafter.JanusDrafter: one Llama layer (no input norm) over fc([image input path "
     "(gen_embed + gen_aligner); feature]), the target's widths and 1-D RoPE; logits through the target's "
     "gen_head; embedding and head stay the target's (10 tensors trained)",
 )
@@ -107,7 +107,7 @@ HEADS: dict[str, HeadType] = {"llamagen": LLAMAGEN, "janus": JANUS}
 def family_of(bundle) -> str:
     """'llamagen' for a LlamaGen target, the bundle's family for another family's bundle, else the
     target's class name (a family without a head here)."""
-    from adt_core.models.gpt import LlamaGenGPT
+    from adt_core.families.llamagen.model import LlamaGenGPT
 
     if isinstance(bundle.target, LlamaGenGPT):
         return "llamagen"

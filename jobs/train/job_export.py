@@ -22,7 +22,7 @@ def export(cfg, out: Storage, bundle, drafter, provenance: dict,
              "drafter/model.safetensors": save_safetensors(state),
              "drafter/provenance.json": (json.dumps(provenance, indent=2, default=str) + "\n").encode()}
     written = {"drafter": out.uri_for("drafter")}
-    from adt_core.models.bundle import resolve_bundle_dir
+    from adt_core.bundles.bundle import resolve_bundle_dir
 
     try:
         src = resolve_bundle_dir(cfg.bundle)

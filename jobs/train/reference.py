@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from adt_core import DecodeConfig, Generator, load_bundle
-from adt_core.models.bundle import Bundle
-from adt_core.sampling import cfg_mix
+from adt_core.bundles.bundle import Bundle
+from adt_core.round.sampling import cfg_mix
 from jobs.train.target import teacher_forced
 
 CANDIDATES = ("an emoji of a grinning face", "red heart", "an emoji of a cat face", "pizza",

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adt_core.models.gpt import GPTConfig, LlamaGenGPT
+from adt_core.families.llamagen.model import GPTConfig, LlamaGenGPT
 from jobs.train.tokenizer import CheckpointClock, Logger, batch_indices, restore
 
 

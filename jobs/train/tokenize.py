@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from adt_core.models.bundle import build_text_encoder
-from adt_core.models.vq import VQModel, from_pretrained
+from adt_core.bundles.bundle import build_text_encoder
+from adt_core.families.vqgan import VQModel, from_pretrained
 
 SPLITS = ("train", "heldout")
 DEFAULT_TEXT_ENCODER = {"type": "minilm"}

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from adt_core.models.vq import VQConfig, VQModel, count_parameters, save_pretrained
+from adt_core.families.vqgan import VQConfig, VQModel, count_parameters, save_pretrained
 
 # 64 px -> 16x16 tokens (f = 4); ~1.1M parameters; ~2 s per batch of 16 on one CPU thread.
 DEFAULT_CONFIG = VQConfig(codebook_size=1024, codebook_embed_dim=8, z_channels=64, ch=32,

@@ -158,7 +158,7 @@ def make_vqgan(directory: str | Path, seed: int = 0, extra: dict | None = None, 
     """Write vqgan.yaml + vqgan.ckpt ({"state_dict": ...}, Meta's key names) for a random tiny VQGAN."""
     import yaml
 
-    from adt_core.models.chameleon_vq import ChameleonVQ, VQGANConfig
+    from adt_core.families.chameleon.vq import ChameleonVQ, VQGANConfig
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
@@ -178,7 +178,7 @@ def make_vqgan(directory: str | Path, seed: int = 0, extra: dict | None = None, 
 # ---- LANTERN drafter ----------------------------------------------------------------------
 def drafter_state(target_dir: str | Path, seed: int = 0, qk_groups: int = HEADS) -> dict[str, torch.Tensor]:
     """16 tensors in LANTERN's names; the embedding is the target's (a frozen copy)."""
-    from adt_core.models.chameleon import read_tensors, safetensors_index
+    from adt_core.families.chameleon.model import read_tensors, safetensors_index
 
     g = torch.Generator().manual_seed(seed)
     hd = HIDDEN // HEADS

@@ -18,7 +18,7 @@ def anole_dir(tmp_path_factory):
     narrow neighbour table (row c: codes c + 1 .. c + 8), bundle.json naming the family."""
     import numpy as np
 
-    from adt_core.models.family_bundle import write_family_bundle
+    from adt_core.bundles.family_bundle import write_family_bundle
     from chameleon_fixtures import make_drafter, make_hf_chameleon, make_tokenizer, make_vqgan
 
     root = tmp_path_factory.mktemp("anole_bundle")

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, LanternConfig, random_bundle
-from adt_core.adaptive import AdaptiveController, bisect_update, shape_budget
-from adt_core.budget import PROBE_EVERY, BatchBudget
 from adt_core.calibrate import CostTable
+from adt_core.round.adaptive import AdaptiveController, bisect_update, shape_budget
+from adt_core.round.budget import PROBE_EVERY, BatchBudget
 
 CFG = AdaptiveConfig()  # d0 5, k0 10, beta 0.5, d in [2, 8], k in [2, 16], n in [8, 64]
 
@@ -85,8 +85,8 @@ def test_bounds_respected_over_random_sequences():
 
 
 def _planner(costs, slots=1, **kw):
-    from adt_core.adaptive import AdaptiveGrid
-    from adt_core.planner import CostPlanner
+    from adt_core.round.adaptive import AdaptiveGrid
+    from adt_core.round.plan import CostPlanner
 
     cfg = AdaptiveConfig(**kw)
     return CostPlanner(256, cfg, AdaptiveGrid(slots, (16, 16), cfg), costs, slots)
@@ -110,7 +110,7 @@ def test_cost_planner_keeps_few_nodes_when_verification_is_expensive():
 
 
 def test_cost_planner_depth_cap_follows_what_levels_pay():
-    from adt_core.round_state import RoundOutcome, RoundPlan
+    from adt_core.round.state import RoundOutcome, RoundPlan
 
     costs = CostTable({1: 10.0, 64: 10.0})  # a plain step: 10 ms for one token
     p = _planner(costs)
@@ -220,7 +220,7 @@ def test_lantern_delta_zero_is_lossless_verification():
 
 
 def test_batch_budget_keeps_plain_steps_unless_drafting_wins_by_the_edge():
-    from adt_core.budget import EDGE
+    from adt_core.round.budget import EDGE
 
     for gain, drafts in ((1.0 + (EDGE - 1) / 2, False), (EDGE + 0.02, True)):
         b = BatchBudget(CostTable({1: 10.0}), AdaptiveConfig(), samples=1)
@@ -230,7 +230,7 @@ def test_batch_budget_keeps_plain_steps_unless_drafting_wins_by_the_edge():
 
 
 def test_a_new_slot_count_takes_the_nearest_choice_and_is_measured_only_by_probes():
-    from adt_core.draft import RING
+    from adt_core.round.draft import RING
 
     b = BatchBudget(CostTable({1: 10.0}), AdaptiveConfig(), samples=1)
     b.observe_round(4, False, ms=20.0, tokens=4)
@@ -249,8 +249,8 @@ def test_skipped_pairs_are_never_fed_and_outputs_stay_exact(monkeypatch):
     """Plain steps the budget will not draft after store no pair (ring.skip); drafting rounds
     in between still equal ar token for token (greedy and coupled, fp32)."""
     from adt_core import DecodeConfig, Generator, random_bundle
-    from adt_core.budget import BatchBudget
-    from adt_core.draft import PairRing
+    from adt_core.round.budget import BatchBudget
+    from adt_core.round.draft import PairRing
 
     bundle = random_bundle(seed=3, vocab=16, grid=(4, 4))
     prompts, seeds = ["a red apple", "blue dog", "sun over hills"], [1, 2, 3]
@@ -262,7 +262,7 @@ def test_skipped_pairs_are_never_fed_and_outputs_stay_exact(monkeypatch):
 
     monkeypatch.setattr(BatchBudget, "worth_drafting", every_fifth)
     monkeypatch.setattr(BatchBudget, "plain_ahead", lambda self, a, n: rounds["n"] % 5 not in (3, 4))
-    monkeypatch.setattr("adt_core.planner.VETO", 0.0)
+    monkeypatch.setattr("adt_core.round.plan.VETO", 0.0)
     stores = {"n": 0}
     push_one = PairRing.push_one
 

@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
+from adt_core.families.chameleon.model import ChameleonConfig, ChameleonTarget, load_chameleon
+from adt_core.families.contract import Target
+from adt_core.families.weights import CheckpointError
 from adt_core.kv_cache import KVCache
-from adt_core.models.chameleon import ChameleonConfig, ChameleonTarget, load_chameleon
-from adt_core.models.checkpoints import CheckpointError
-from adt_core.models.contract import Target
 from chameleon_fixtures import VOCAB, additive_mask, make_hf_chameleon
 
 CODES = slice(4, 8196)

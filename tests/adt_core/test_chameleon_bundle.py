@@ -9,8 +9,8 @@ import torch
 
 from adt_core import DecodeConfig, Generator, LanternConfig, TreeConfig, load_bundle
 from adt_core.calibrate import CostTable
+from adt_core.families.weights import CheckpointError
 from adt_core.memory import GB, bundle_plan
-from adt_core.models.checkpoints import CheckpointError
 
 CODES = 8192
 COSTS = CostTable({1: 1.0, 8: 1.5, 64: 10.0}, draft_level_ms=0.2, draft={1: 0.2, 64: 0.4})
@@ -89,7 +89,7 @@ def test_a_table_for_another_codebook_is_refused(anole_dir, tmp_path):
 
 
 def test_max_prompt_bounds_the_plan_and_a_longer_prompt_fails_alone(anole_dir):
-    from adt_core.models.chameleon_prompt import load_prompter
+    from adt_core.families.chameleon.prompt import load_prompter
     from adt_core.results import PromptFailure
 
     bundle = load_bundle(anole_dir)

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from adt_core.lantern import nearest_codes
-from adt_core.models.chameleon import load_chameleon
-from adt_core.models.chameleon_drafter import NUM_TENSORS, load_chameleon_drafter, load_neighbours
-from adt_core.models.checkpoints import CheckpointError
-from adt_core.models.contract import Drafter
-from adt_core.verify import Relaxation, node_acceptance
+from adt_core.families.chameleon.drafter import NUM_TENSORS, load_chameleon_drafter, load_neighbours
+from adt_core.families.chameleon.model import load_chameleon
+from adt_core.families.contract import Drafter
+from adt_core.families.weights import CheckpointError
+from adt_core.round.lantern import nearest_codes
+from adt_core.round.verify import Relaxation, node_acceptance
 from chameleon_fixtures import HEADS, additive_mask, hf_config, make_drafter, make_hf_chameleon, make_neighbours
 
 

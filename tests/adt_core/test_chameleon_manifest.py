@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from adt_core.bundles.family_manifest import read_family_manifest
+from adt_core.bundles.loader import read_any_manifest
+from adt_core.bundles.sources import ManifestError, split_hf
 from adt_core.config import SamplingConfig
-from adt_core.models.family_manifest import read_family_manifest
-from adt_core.models.loader import read_any_manifest
-from adt_core.models.sources import ManifestError, split_hf
 
 from test_hub_cache import put_in_hub_cache
 from test_manifest import s3  # noqa: F401 - a fixture (a bucket on the session's moto server)
@@ -110,8 +110,8 @@ def test_shipped_anole_manifest_resolves_offline_through_the_job(anole_hub):
 def test_a_family_manifest_reads_s3_copies(anole_dir, s3, tmp_path):
     """The same parts from an S3 prefix (moto on loopback), the VQGAN's two files by name, with
     sha256 pinned; then from the local cache."""
-    from adt_core.models.family_manifest import load_family_manifest
-    from adt_core.models.sources import sha256_file
+    from adt_core.bundles.family_manifest import load_family_manifest
+    from adt_core.bundles.sources import sha256_file
     from test_manifest import upload_tree
 
     upload_tree(s3.client, s3.bucket, anole_dir, ["target", "vq", "drafter"], prefix="anole")

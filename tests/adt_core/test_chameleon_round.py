@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, TreeConfig, load_bundle
+from adt_core.bundles.family_bundle import write_family_bundle
 from adt_core.calibrate import CostTable
-from adt_core.models.family_bundle import write_family_bundle
 
 from chameleon_fixtures import HEADS, make_drafter, make_hf_chameleon, make_tokenizer, make_vqgan
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 import yaml
 
-from adt_core.models.checkpoints import CheckpointError
-from adt_core.models.chameleon_vq import ChameleonVQ, VQGANConfig, load_chameleon_vq, to_uint8
-from adt_core.models.contract import Decoder
+from adt_core.families.chameleon.vq import ChameleonVQ, VQGANConfig, load_chameleon_vq, to_uint8
+from adt_core.families.contract import Decoder
+from adt_core.families.weights import CheckpointError
 from chameleon_fixtures import make_vqgan, vqgan_yaml
 
 

@@ -16,14 +16,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from adt_core.models.checkpoints import CheckpointError, unwrap_state_dict
-from adt_core.models.drafter_checkpoints import drafter_config_from_lantern, load_lantern_drafter
-from adt_core.models.llamagen_checkpoints import (
+from adt_core.families.llamagen.drafter_weights import drafter_config_from_lantern, load_lantern_drafter
+from adt_core.families.weights import CheckpointError, unwrap_state_dict
+from adt_core.families.llamagen.weights import (
     hf_gpt_names, infer_gpt_config, infer_vq_config, load_llamagen_gpt, load_vq,
 )
-from adt_core.models.drafter import Drafter, DrafterConfig
-from adt_core.models.gpt import GPTConfig, LlamaGenGPT
-from adt_core.models.vq import VQConfig, VQModel
+from adt_core.families.llamagen.drafter import Drafter, DrafterConfig
+from adt_core.families.llamagen.model import GPTConfig, LlamaGenGPT
+from adt_core.families.vqgan import VQConfig, VQModel
 
 # A tiny LlamaGen: not a published size, so heads come from args / n_head. multiple_of=64 is
 # what the loader infers back from the FFN width (8 * 64 / 3 -> 192).

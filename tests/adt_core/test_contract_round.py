@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from adt_core import DecodeConfig, Generator, random_bundle
+from adt_core.families.contract import PromptRows
+from adt_core.families.llamagen.prompt import LlamaGenPrompter
 from adt_core.kv_cache import KVCache
-from adt_core.models.contract import PromptRows
-from adt_core.models.llamagen import LlamaGenPrompter
 
 from test_batch import COSTS, METHODS
 

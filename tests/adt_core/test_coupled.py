@@ -6,10 +6,10 @@ from scipy.stats import chisquare, kstest
 
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, LanternConfig, TreeConfig, random_bundle
 from adt_core.config import SamplingConfig
-from adt_core.noise import gumbel, uniforms
-from adt_core.sampling import perturbed, target_probs
-from adt_core.tree import DraftTree
-from adt_core.verify import Relaxation, relaxed_sets, verify_coupled
+from adt_core.round.noise import gumbel, uniforms
+from adt_core.round.sampling import perturbed, target_probs
+from adt_core.round.tree import DraftTree
+from adt_core.round.verify import Relaxation, relaxed_sets, verify_coupled
 
 PROMPTS = ["a red apple on a table", "blue dog", "smiling sun over hills"]
 SEEDS = [0, 17, 2**40 + 3]

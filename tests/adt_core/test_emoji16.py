@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, load_bundle
-from adt_core.models.bundle import EMBEDDED_DIR
+from adt_core.bundles.bundle import EMBEDDED_DIR
 from jobs.train.reference import greedy_margins
 
 BUNDLE = EMBEDDED_DIR / "emoji16"

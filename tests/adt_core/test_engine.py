@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, SamplingConfig, TreeConfig, random_bundle
 from adt_core.calibrate import CostTable
 from adt_core.engine import _COSTS
-from adt_core.sampling import cfg_mix, target_probs
+from adt_core.round.sampling import cfg_mix, target_probs
 
 PROMPTS = ["a red apple on a table", "blue dog", "smiling sun over hills"]
 
@@ -86,7 +86,7 @@ def test_prompts_are_encoded_a_batch_at_a_time_while_slots_refill_one_by_one():
 
 
 def test_prompt_rows_of_some_images_are_those_images_encoded_alone():
-    from adt_core.models.contract import token_rows
+    from adt_core.families.contract import token_rows
 
     cond, uncond = [[5, 6, 7], [8], [9, 10, 11, 12]], [[1, 2], [1], [1, 2, 3]]
     whole = token_rows(cond + uncond, 3)
@@ -200,10 +200,10 @@ def test_stochastic_decoding_is_lossless(method, tree, adaptive, sampler, monkey
     decode = DecodeConfig(method=method, tree=tree, adaptive=adaptive, temperature=s.temperature, top_k=s.top_k,
                           top_p=s.top_p, cfg_scale=s.cfg_scale, sampler=sampler)
     if adaptive.budget == "cost":  # a fixed cost table keeps the tree shapes (and the test) deterministic
-        from adt_core.budget import BatchBudget
+        from adt_core.round.budget import BatchBudget
 
         monkeypatch.setattr(BatchBudget, "worth_drafting", lambda self, a: True)  # draft every round
-        monkeypatch.setattr("adt_core.planner.VETO", 0.0)  # whatever the model expects
+        monkeypatch.setattr("adt_core.round.plan.VETO", 0.0)  # whatever the model expects
         _COSTS[bundle.target] = {("cpu", "float32", 2, decode.batch_size): CostTable(
             {1: 10.0, 8: 10.5, 16: 11.0, 32: 12.0, 64: 14.0, 128: 20.0}, draft_level_ms=0.5)}  # drafting pays
     probs = exact_joint(bundle, prompt, s, 4)
@@ -245,7 +245,7 @@ def test_bf16_greedy_matches_mostly():
 def test_lantern_style_caption_pairs_drafter_is_exact():
     import dataclasses
 
-    from adt_core.models.drafter import Drafter
+    from adt_core.families.llamagen.drafter import Drafter
 
     bundle = random_bundle(seed=9, vocab=16, grid=(4, 4))
     bundle.drafter = Drafter(dataclasses.replace(bundle.drafter.config, caption_pairs=True)).eval()

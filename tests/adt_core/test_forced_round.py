@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from adt_core import DecodeConfig, Generator, TreeConfig, random_bundle
+from adt_core.families.contract import ImageVocab, Layout
 from adt_core.kv_cache import KVCache
-from adt_core.models.contract import ImageVocab, Layout
 
 from test_contract_round import COSTS, METHODS, PROMPTS, SEEDS, RaggedPrompter
 

@@ -15,10 +15,10 @@ import pytest
 
 import huggingface_hub
 from huggingface_hub import constants
-from adt_core.models import hub
-from adt_core.models.hub import allow_patterns, fetch_hf, is_directory
-from adt_core.models.manifest import load_manifest_bundle
-from adt_core.models.sources import ChecksumError, ManifestError, sha256_file, split_hf
+from adt_core.bundles import hub
+from adt_core.bundles.hub import allow_patterns, fetch_hf, is_directory
+from adt_core.bundles.manifest import load_manifest_bundle
+from adt_core.bundles.sources import ChecksumError, ManifestError, sha256_file, split_hf
 from test_checkpoints import same_weights
 from test_manifest import manifest_dict, published, write_manifest  # noqa: F401 - `published` is a fixture
 
@@ -146,7 +146,7 @@ def test_hf_home_and_offline_mode_are_read_from_the_environment(published, tmp_p
     put_in_hub_cache(home / "hub", "org/llamagen", {"vq_ds16_t2i.pt": published.root / "vq_ds16_t2i.pt"})
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env.update(HF_HOME=str(home), HF_HUB_OFFLINE="1", HF_ENDPOINT="http://127.0.0.1:9", PYTHONPATH=str(ROOT))
-    code = "from adt_core.models.hub import fetch_hf; print(fetch_hf('hf://org/llamagen/vq_ds16_t2i.pt'))"
+    code = "from adt_core.bundles.hub import fetch_hf; print(fetch_hf('hf://org/llamagen/vq_ds16_t2i.pt'))"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == str(home / "hub" / "models--org--llamagen" / "snapshots" / COMMIT / "vq_ds16_t2i.pt")
@@ -156,8 +156,8 @@ def test_the_shipped_hub_manifest_loads_from_the_cache_offline(tmp_path, monkeyp
     """infra/manifests/llamagen_t2i_stage1_hub.yaml against tiny files at the real caption
     length (120) and grid (16), cached under the three real repository names."""
     import adt_core
-    from adt_core.models import llamagen_checkpoints
-    from adt_core.models.gpt import GPTConfig
+    from adt_core.families.llamagen import weights as llamagen_checkpoints
+    from adt_core.families.llamagen.model import GPTConfig
     from test_checkpoints import tiny_drafter, tiny_gpt, tiny_vq, write_lantern_drafter, write_llamagen_pt, write_vq_pt
     from test_t5 import write_tiny_t5
 

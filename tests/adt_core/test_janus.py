@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
+from adt_core.families.contract import Target, get_family
+from adt_core.families.janus.model import JanusConfig, JanusTarget
+from adt_core.families.janus.weights import expected_shapes, load_janus, to_hf_name
+from adt_core.families.weights import CheckpointError
 from adt_core.kv_cache import KVCache
-from adt_core.models.checkpoints import CheckpointError
-from adt_core.models.contract import Target, get_family
-from adt_core.models.janus import JanusConfig, JanusTarget
-from adt_core.models.janus_weights import expected_shapes, load_janus, to_hf_name
 from janus_fixtures import (
     BOI,
     BOS,

@@ -8,11 +8,11 @@ import pytest
 import torch
 import yaml
 
+from adt_core.bundles.hub import is_directory
+from adt_core.bundles.sources import split_hf
 from adt_core.config import SamplingConfig
-from adt_core.models.contract import get_family
-from adt_core.models.hub import is_directory
-from adt_core.models.janus_prompt import JANUS_SAMPLING
-from adt_core.models.sources import split_hf
+from adt_core.families.contract import get_family
+from adt_core.families.janus.prompt import JANUS_SAMPLING
 from janus_fixtures import GRID, TEXT_VOCAB, make_hf_janus, make_tokenizer, save_published
 
 MANIFEST = Path(__file__).resolve().parents[2] / "infra" / "manifests" / "janus_pro_7b.yaml"
@@ -29,7 +29,7 @@ def test_manifest_names_the_hub_checkpoint_licence_and_defaults():
     assert m["license"]["model"].startswith("DeepSeek License Agreement") and m["license"]["code"] == "MIT"
     assert SamplingConfig(**m["sampling"]) == SamplingConfig(**JANUS_SAMPLING)
     assert m["dtype"] == "bfloat16"
-    from adt_core.models.loader import read_any_manifest
+    from adt_core.bundles.loader import read_any_manifest
 
     parsed = read_any_manifest(MANIFEST)  # the family manifest schema, nothing fetched
     assert parsed.family == "janus" and parsed.prompt["grid"] == 24 and "drafter" not in parsed.parts

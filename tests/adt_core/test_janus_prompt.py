@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from adt_core.config import SamplingConfig
-from adt_core.models.contract import ImageVocab, Prompter
-from adt_core.models.janus_prompt import (
+from adt_core.families.contract import ImageVocab, Prompter
+from adt_core.families.janus.prompt import (
     GRID,
     JANUS_SAMPLING,
     JanusPrompter,

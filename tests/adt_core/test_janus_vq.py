@@ -1,16 +1,16 @@
-"""Janus' VQ-16 decoder: the LlamaGen VQ (adt_core.models.vq) loads its weights after a key remap,
+"""Janus' VQ-16 decoder: the LlamaGen VQ (adt_core.families.vqgan) loads its weights after a key remap,
 from a checkpoint in deepseek-ai/Janus' layout (gen_vision_model.*) or transformers' (model.vqmodel.*),
 and decodes like transformers' JanusVQVAE.decode; Janus' pixel conversion; strict loading."""
 
 import pytest
 import torch
 
-from adt_core.models.checkpoints import CheckpointError
-from adt_core.models.contract import Decoder
-from adt_core.models.janus import JanusVQ
-from adt_core.models.janus_weights import PUBLISHED, load_janus_vq, remap_vq_state
-from adt_core.models.llamagen_checkpoints import infer_vq_config
-from adt_core.models.vq import VQConfig, VQModel
+from adt_core.families.contract import Decoder
+from adt_core.families.janus.model import JanusVQ
+from adt_core.families.janus.weights import PUBLISHED, load_janus_vq, remap_vq_state
+from adt_core.families.llamagen.weights import infer_vq_config
+from adt_core.families.vqgan import VQConfig, VQModel
+from adt_core.families.weights import CheckpointError
 from janus_fixtures import CODES, GRID, make_hf_janus, save_published, save_transformers
 
 pytest.importorskip("transformers.models.janus", reason="transformers >= 4.52 has models/janus")

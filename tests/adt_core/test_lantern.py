@@ -2,8 +2,8 @@
 
 import torch
 
-from adt_core.lantern import nearest_codes, neighbour_table
-from adt_core.verify import Relaxation, node_acceptance
+from adt_core.round.lantern import nearest_codes, neighbour_table
+from adt_core.round.verify import Relaxation, node_acceptance
 
 
 def brute_neighbours(cb, k):

@@ -15,22 +15,22 @@ import yaml
 
 import adt_core
 from adt_core import DecodeConfig, Generator, TreeConfig
-from adt_core.models import llamagen_checkpoints
-from adt_core.models.bundle import resolve_bundle_dir
-from adt_core.models.drafter import DrafterConfig
-from adt_core.models.gpt import GPTConfig
-from adt_core.memory import GB, bundle_plan
-from adt_core.models.bundle import Bundle
-from adt_core.models.drafter import Drafter
-from adt_core.models.gpt import LlamaGenGPT
-from adt_core.models.text import HashTextEncoder
-from adt_core.models.vq import VQModel
+from adt_core.bundles.bundle import resolve_bundle_dir
+from adt_core.bundles.bundle import Bundle
+from adt_core.bundles.cache import LocalCache
+from adt_core.bundles.manifest import load_manifest_bundle, read_manifest
+from adt_core.bundles.sources import ChecksumError, ManifestError, sha256_file
 from adt_core.config import SamplingConfig
-from adt_core.models.cache import LocalCache
-from adt_core.models.manifest import load_manifest_bundle, read_manifest
-from adt_core.models.sources import ChecksumError, ManifestError, sha256_file
-from adt_core.models.t5 import T5TextEncoder
-from adt_core.models.vq import VQConfig
+from adt_core.families.llamagen import weights as llamagen_checkpoints
+from adt_core.families.llamagen.drafter import DrafterConfig
+from adt_core.families.llamagen.drafter import Drafter
+from adt_core.families.llamagen.model import GPTConfig
+from adt_core.families.llamagen.model import LlamaGenGPT
+from adt_core.families.llamagen.t5 import T5TextEncoder
+from adt_core.families.llamagen.text_encoder import HashTextEncoder
+from adt_core.families.vqgan import VQModel
+from adt_core.families.vqgan import VQConfig
+from adt_core.memory import GB, bundle_plan
 from test_checkpoints import (
     same_weights, tiny_drafter, tiny_gpt, tiny_vq, write_lantern_drafter, write_llamagen_hf, write_llamagen_pt,
     write_vq_pt,

@@ -3,11 +3,11 @@ LANTERN drafters on an 80 GB and a 141 GB device."""
 
 import pytest
 
+from adt_core.families.chameleon.drafter import ChameleonDrafter
+from adt_core.families.chameleon.model import ChameleonConfig, ChameleonTarget
+from adt_core.families.chameleon.vq import ChameleonVQ, VQGANConfig
+from adt_core.families.contract import Layout
 from adt_core.memory import GB, KVShape, MemoryPlanError, module_bytes, plan_memory
-from adt_core.models.chameleon import ChameleonConfig, ChameleonTarget
-from adt_core.models.chameleon_drafter import ChameleonDrafter
-from adt_core.models.chameleon_vq import ChameleonVQ, VQGANConfig
-from adt_core.models.contract import Layout
 
 PROMPT = 160  # prompt budget per row (template + prompt + image head)
 TREE, DEPTH = 58, 5
@@ -85,7 +85,7 @@ def meta_7b(tmp_path_factory):
     no weights), and the family's prompters over a tokenizer with Chameleon's id layout."""
     import torch
 
-    from adt_core.models.chameleon_prompt import load_prompter
+    from adt_core.families.chameleon.prompt import load_prompter
     from chameleon_fixtures import make_tokenizer
 
     tok = make_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
@@ -101,9 +101,9 @@ def meta_7b(tmp_path_factory):
 ])
 def test_job_plan_of_7b_bundles(meta_7b, layout, device, method, expected):
     from adt_core import DecodeConfig
+    from adt_core.bundles.bundle import Bundle
     from adt_core.config import SamplingConfig
     from adt_core.memory import bundle_plan, tree_extent
-    from adt_core.models.bundle import Bundle
 
     (target, drafter, vq), prompters = meta_7b
     p = prompters[layout]

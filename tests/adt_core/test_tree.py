@@ -3,7 +3,7 @@
 import torch
 
 from adt_core.config import TreeConfig, default_static_paths
-from adt_core.tree import CandidatePool, ancestor_mask, children_lists, leaf_paths, rerank, static_children
+from adt_core.round.tree import CandidatePool, ancestor_mask, children_lists, leaf_paths, rerank, static_children
 
 
 def test_ancestor_mask_and_leaf_paths():

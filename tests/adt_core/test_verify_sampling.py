@@ -3,9 +3,9 @@
 import torch
 
 from adt_core.config import SamplingConfig
-from adt_core.sampling import cfg_mix, target_probs, warp
-from adt_core.tree import DraftTree
-from adt_core.verify import verify_greedy, verify_stochastic
+from adt_core.round.sampling import cfg_mix, target_probs, warp
+from adt_core.round.tree import DraftTree
+from adt_core.round.verify import verify_greedy, verify_stochastic
 
 
 def chain_tree():

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adt_core.models.vq import VQConfig, VQModel, count_parameters, to_uint8
+from adt_core.families.vqgan import VQConfig, VQModel, count_parameters, to_uint8
 
 TINY = VQConfig(codebook_size=64, codebook_embed_dim=4, z_channels=32, ch=32,
                 ch_mult=(1, 2), num_res_blocks=1)
@@ -130,7 +130,7 @@ def test_config_round_trip():
 
 
 def test_save_and_load_pretrained_round_trip(tmp_path):
-    from adt_core.models.vq import from_pretrained, save_pretrained
+    from adt_core.families.vqgan import from_pretrained, save_pretrained
 
     model = tiny_model(seed=3)
     save_pretrained(model, tmp_path, dtype=torch.float32)

@@ -8,7 +8,7 @@ import torch
 
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, TreeConfig, load_bundle, random_bundle
 from adt_core.calibrate import measure_target_cost
-from adt_core.noise import uniforms
+from adt_core.round.noise import uniforms
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

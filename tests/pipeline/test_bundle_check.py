@@ -42,7 +42,7 @@ def test_missing_text_encoder_exits_2_before_any_work(monkeypatch, tmp_path):
 def test_big_bundle_directory_checks_its_text_encoder(monkeypatch, tmp_path):
     import shutil
 
-    from adt_core.models.bundle import resolve_bundle_dir
+    from adt_core.bundles.bundle import resolve_bundle_dir
     import pipeline.checks as checks
 
     bundle = tmp_path / "bundle"

@@ -20,7 +20,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "adt_core"))  # chameleon_fixtures
 
 from chameleon_fixtures import make_drafter, make_hf_chameleon, make_tokenizer, make_vqgan  # noqa: E402
-from adt_core.models.family_bundle import write_family_bundle  # noqa: E402
+from adt_core.bundles.family_bundle import write_family_bundle  # noqa: E402
 from pipeline.config import StorageSettings  # noqa: E402
 from pipeline.storage import open_storage  # noqa: E402
 from pipeline_helpers import simple_rows, write_prompts  # noqa: E402

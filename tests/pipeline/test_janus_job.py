@@ -24,11 +24,11 @@ N = 6
 @pytest.fixture(scope="module")
 def janus_bundle(tmp_path_factory) -> Path:
     pytest.importorskip("transformers.models.janus", reason="transformers >= 4.52 has models/janus")
+    from adt_core.bundles.family_bundle import write_family_bundle
     from adt_core.config import SamplingConfig
-    from adt_core.models.family_bundle import write_family_bundle
-    from adt_core.models.janus_weights import load_janus
-    from adt_core.models.janus_drafter import new_drafter, save_janus_drafter
-    from adt_core.models.janus_prompt import JANUS_SAMPLING
+    from adt_core.families.janus.drafter import new_drafter, save_janus_drafter
+    from adt_core.families.janus.prompt import JANUS_SAMPLING
+    from adt_core.families.janus.weights import load_janus
 
     root = tmp_path_factory.mktemp("janus_bundle")
     save_published(make_hf_janus(seed=2), root / "target")

@@ -50,11 +50,11 @@ def test_core_dependencies_cover_the_default_bundle_and_ray_data():
 # this venv), except torch (only torch 2.13 is installed here; its floor is the documented
 # version of the API). Re-check a floor here whenever the code starts using a newer API.
 FLOORS = {
-    "torch": ("2.5", "torch.serialization.safe_globals", "adt_core/models/checkpoints.py",
+    "torch": ("2.5", "torch.serialization.safe_globals", "adt_core/families/weights.py",
               "documented: safe_globals is new in torch 2.5"),
-    "transformers": ("4.56", "dtype=DTYPES", "adt_core/models/t5.py",
+    "transformers": ("4.56", "dtype=DTYPES", "adt_core/families/llamagen/t5.py",
                      "T5 / MiniLM encoders load on 4.56.0; 4.55.4 fails (TypeError: dtype is not JSON serializable)"),
-    "huggingface_hub": ("0.34", "snapshot_download", "adt_core/models/hub.py",
+    "huggingface_hub": ("0.34", "snapshot_download", "adt_core/bundles/hub.py",
                         "transformers 4.56 requires >= 0.34; hf:// offline cache reads pass on 0.34.0"),
     "botocore": ("1.35.69", "IfMatch=token", "pipeline/s3.py",
                  "PutObject's IfNoneMatch appears in 1.35.2, IfMatch in 1.35.69 (S3 service model, bisected); "
@@ -65,8 +65,8 @@ FLOORS = {
     "pyarrow": ("17", "pyarrow.parquet", "pipeline/shards.py",
                 "ray[data] 2.60 requires >= 17; ledger, lease, storage and cron tests pass on 17.0.0"),
     "ray": ("2.60", "ray.data", "pipeline/execute.py", "the Ray Data release the pipeline is written and tested on"),
-    "ftfy": ("6.1", "fix_text", "adt_core/models/t5.py", "cleaning tests pass on 6.1.1"),
-    "beautifulsoup4": ("4.9.3", "BeautifulSoup", "adt_core/models/t5.py",
+    "ftfy": ("6.1", "fix_text", "adt_core/families/llamagen/t5.py", "cleaning tests pass on 6.1.1"),
+    "beautifulsoup4": ("4.9.3", "BeautifulSoup", "adt_core/families/llamagen/t5.py",
                        "cleaning tests pass on 4.9.3 (script / style / CDATA as on 4.15)"),
 }
 

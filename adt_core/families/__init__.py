@@ -1,0 +1,1 @@
+"""Model families behind one contract (contract.py), found through registry.py."""

@@ -1,0 +1,1 @@
+"""Chameleon / Anole / Lumina-mGPT: target, drafter, prompts, VQ decoder."""

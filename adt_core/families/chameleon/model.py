@@ -1,0 +1,375 @@
+"""Chameleon-family target (Anole-7B, Lumina-mGPT-7B) with an explicit forward.
+
+Architecture (transformers' models/chameleon, HF checkpoint layout): token embedding over the
+whole vocabulary; per layer pre-norm RMSNorm (fp32), attention whose q and k pass a per-head
+LayerNorm WITH bias over head_dim (eps 1e-5) before a 1-D rotate-half RoPE over the flat
+sequence, SwiGLU MLP; final RMSNorm; untied lm_head. `swin_norm` (34B) moves the norms after
+attention / MLP. The qk-norm weights are [g, head_dim] with g | heads: HF / Anole store
+g = heads, Lumina g = 1 (one row shared by every head, expanded with repeat_interleave).
+
+Only the image-code rows of lm_head are kept (ids first_id .. first_id + num_codes - 1): the
+engine never samples another id, and the 7B head shrinks from 65536 to 8192 rows.
+
+`forward` mirrors LlamaGenGPT's: positions, bool mask (R, 1, S, K) and KVCache are arguments.
+Checkpoints: DIR/config.json + DIR/model.safetensors or DIR/model.safetensors.index.json with
+shards, key names as transformers writes them (model.embed_tokens, model.layers.N.self_attn.
+{q,k,v,o}_proj / {q,k}_norm.{weight,bias}, model.layers.N.mlp.{gate,up,down}_proj, model.layers.N.
+{input,post_attention}_layernorm, model.norm, lm_head). The VQ encoder under model.vqmodel.* is
+not needed for generation and is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from adt_core.families.contract import ImageVocab
+from adt_core.families.llamagen.drafter import MLP
+from adt_core.families.llamagen.model import RMSNorm
+from adt_core.families.weights import CheckpointError, check_state
+from adt_core.kv_cache import KVCache
+
+QK_NORM_EPS = 1e-5  # fixed in Chameleon's qk LayerNorm, whatever rms_norm_eps says
+SKIPPED_PREFIXES = ("model.vqmodel.",)  # the image encoder: not used to generate
+SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # RoPE tables some exports keep
+
+
+@dataclass(frozen=True)
+class ChameleonConfig:
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    vocab_size: int = 65536
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    swin_norm: bool = False  # 34B: norms after attention / MLP instead of before
+    qk_norm_groups: int = 32  # g in the [g, head_dim] qk-norm weights (HF/Anole: heads; Lumina: 1)
+    first_image_id: int = 4  # image code c is id first_image_id + c
+    num_image_codes: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of {self.num_attention_heads} heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        for heads, groups in ((self.num_attention_heads, self.qk_norm_groups),
+                              (self.num_key_value_heads, self.k_norm_groups)):
+            if groups < 1 or heads % groups:
+                raise ValueError(f"qk-norm groups {groups} do not divide {heads} heads")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def k_norm_groups(self) -> int:
+        """k_norm rows: one per kv head when q_norm has one per head, else the shared groups."""
+        return self.num_key_value_heads if self.qk_norm_groups == self.num_attention_heads else self.qk_norm_groups
+
+    @property
+    def kv_width(self) -> int:
+        """Keys (or values) per token per layer: kv_heads * head_dim."""
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def vocab(self) -> ImageVocab:
+        return ImageVocab(self.first_image_id, self.num_image_codes, self.vocab_size)
+
+    def num_params(self) -> int:
+        """Parameters as held here (lm_head: image rows only)."""
+        h, hd, g = self.hidden_size, self.head_dim, self.qk_norm_groups
+        attn = 2 * h * h + 2 * h * self.kv_width + 2 * (g + self.k_norm_groups) * hd
+        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        return self.vocab_size * h + self.num_hidden_layers * layer + h + self.num_image_codes * h
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def chameleon_7b(cls, **kw) -> "ChameleonConfig":
+        """Chameleon-7B shapes (Anole-7B; Lumina-mGPT-7B with qk_norm_groups=1)."""
+        return cls(**kw)
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any], qk_norm_groups: int | None = None,
+                source: str = "config.json", **kw) -> "ChameleonConfig":
+        """From a transformers config.json (v4 `rope_theta` or v5 `rope_parameters`)."""
+        try:
+            h, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+            ffn, layers = int(config["intermediate_size"]), int(config["num_hidden_layers"])
+            vocab = int(config["vocab_size"])
+        except KeyError as e:
+            raise CheckpointError(f"{source}: missing field {e.args[0]!r}") from None
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise CheckpointError(f"{source}: RoPE type {rope.get('rope_type')!r} is not supported (default only)")
+        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        for flag in ("attention_bias", "mlp_bias"):
+            if config.get(flag):
+                raise CheckpointError(f"{source}: {flag} true is not supported (Chameleon has no biases there)")
+        if config.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"{source}: hidden_act {config['hidden_act']!r} (expected silu)")
+        kv = int(config.get("num_key_value_heads") or heads)
+        try:
+            return cls(hidden_size=h, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=kv, vocab_size=vocab, rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+                       rope_theta=float(theta), swin_norm=bool(config.get("swin_norm", False)),
+                       qk_norm_groups=qk_norm_groups or heads, **kw)
+        except ValueError as e:
+            raise CheckpointError(f"{source}: {e}") from None
+
+
+# ---- modules ------------------------------------------------------------------------------
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions (R, S) -> cos, sin (R, S, 1, head_dim) fp32 for rotate-half RoPE."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=positions.device) / head_dim))
+    freqs = positions[..., None].float() * inv  # (R, S, hd/2)
+    emb = torch.cat([freqs, freqs], dim=-1)[:, :, None]  # (R, S, 1, hd)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (R, S, heads, hd): pairs (j, j + hd/2) rotate together (rotate-half), in fp32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).type_as(x)
+
+
+class QKNorm(nn.Module):
+    """LayerNorm over head_dim per head, with a [g, head_dim] weight and bias shared by groups
+    of heads // g consecutive heads (g = heads: one per head)."""
+
+    def __init__(self, groups: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.repeat = heads // groups
+        self.weight = nn.Parameter(torch.ones(groups, head_dim))
+        self.bias = nn.Parameter(torch.zeros(groups, head_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (R, S, heads, hd) -> same shape."""
+        w = self.weight.repeat_interleave(self.repeat, dim=0)  # (heads, hd)
+        b = self.bias.repeat_interleave(self.repeat, dim=0)
+        return F.layer_norm(x, (x.shape[-1],), eps=QK_NORM_EPS) * w + b
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ChameleonConfig) -> None:
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(h, self.heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.heads * hd, h, bias=False)
+        self.q_norm = QKNorm(cfg.qk_norm_groups, self.heads, hd)
+        self.k_norm = QKNorm(cfg.k_norm_groups, self.kv_heads, hd)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+                cache: KVCache | None, layer: int) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim))  # (R, S, heads, hd)
+        k = self.k_norm(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim))  # (R, S, kv, hd)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (R, heads|kv, S, hd)
+        if cache is not None:
+            k, v = cache.write(layer, k, v)  # (R, kv, K, hd)
+        if self.kv_heads != self.heads:
+            k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (R, heads, S, hd)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ChameleonConfig) -> None:
+        super().__init__()
+        self.swin = cfg.swin_norm
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, rope, mask, cache, layer):
+        if self.swin:
+            h = x + self.input_layernorm(self.self_attn(x, rope, mask, cache, layer))
+            return h + self.post_attention_layernorm(self.mlp(h))
+        h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class ChameleonBody(nn.Module):
+    """`model.*` of the HF checkpoint: embed_tokens, layers, norm."""
+
+    def __init__(self, cfg: ChameleonConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class ChameleonTarget(nn.Module):
+    def __init__(self, cfg: ChameleonConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.vocab = cfg.vocab
+        self.model = ChameleonBody(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.num_image_codes, bias=False)  # image-code rows only
+
+    def new_cache(self, rows: int, max_len: int, device=None, dtype=None) -> KVCache:
+        p = self.lm_head.weight
+        c = self.config
+        return KVCache(c.num_hidden_layers, rows, c.num_key_value_heads, c.head_dim, max_len,
+                       device or p.device, dtype or p.dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cache: KVCache | None = None,
+        tokens: torch.Tensor | None = None,
+        embeds: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (R, S) or (S,); mask (R, 1, S, K) bool (K = cached + S); tokens (R, S) ids
+        or embeds (R, S, D). Returns logits over image codes (R, S, V) fp32 and post-norm hidden (R, S, D)."""
+        if (tokens is None) == (embeds is None):
+            raise ValueError("forward needs exactly one of tokens or embeds")
+        x = self.model.embed_tokens(tokens) if tokens is not None else embeds.to(self.lm_head.weight.dtype)
+        if positions.dim() == 1:
+            positions = positions[None].expand(x.shape[0], -1)
+        rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, rope, mask, cache, i)
+        if cache is not None:
+            cache.advance(x.shape[1])
+        hidden = self.model.norm(x)
+        return self.head(hidden), hidden
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(R, S, D) -> logits over image codes (R, S, V) fp32."""
+        return self.lm_head(hidden).float()
+
+
+# ---- checkpoints --------------------------------------------------------------------------
+def _skipped(key: str) -> bool:
+    return key.startswith(SKIPPED_PREFIXES) or key.endswith(SKIPPED_SUFFIXES)
+
+
+def safetensors_index(directory: str | Path) -> dict[str, Path]:
+    """key -> shard file of DIR/model.safetensors.index.json (every shard must exist), or of
+    DIR/model.safetensors."""
+    from safetensors import safe_open
+
+    d = Path(directory)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: no weight_map")
+        for shard in sorted(set(weight_map.values())):
+            if not (d / shard).is_file():
+                held = sorted(k for k, v in weight_map.items() if v == shard)
+                raise CheckpointError(f"{d}: missing shard {shard} (holds {len(held)} tensors, e.g. {held[0]})")
+        return {k: d / v for k, v in weight_map.items()}
+    single = d / "model.safetensors"
+    if not single.is_file():
+        raise CheckpointError(f"{d}: no model.safetensors.index.json or model.safetensors")
+    with safe_open(str(single), framework="pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def safetensors_shapes(files: Mapping[str, Path]) -> dict[str, tuple[int, ...]]:
+    """Shapes from the files' headers (no tensor data read)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    by_file: dict[Path, list[str]] = {}
+    for k, f in files.items():
+        by_file.setdefault(f, []).append(k)
+    for path, keys in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            present = set(f.keys())
+            for k in keys:
+                if k not in present:
+                    raise CheckpointError(f"{path.name}: the index names {k} but the shard does not hold it")
+                shapes[k] = tuple(f.get_slice(k).get_shape())
+    return shapes
+
+
+def read_tensors(files: Mapping[str, Path], keys: list[str], dtype: torch.dtype,
+                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The named tensors, read shard by shard straight onto `device` and cast to `dtype`."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for k in keys:
+        by_file.setdefault(files[k], []).append(k)
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            for k in names:
+                t = f.get_tensor(k)
+                out[k] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
+    return out
+
+
+def _meta(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    return {k: torch.empty(s, device="meta") for k, s in shapes.items()}
+
+
+def expected_shapes(cfg: ChameleonConfig) -> dict[str, tuple[int, ...]]:
+    """HF key -> shape of a Chameleon checkpoint for this config (lm_head over the whole vocabulary)."""
+    with torch.device("meta"):
+        m = ChameleonTarget(cfg)
+    shapes = {k: tuple(v.shape) for k, v in m.state_dict().items()}
+    shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    return shapes
+
+
+def qk_norm_groups(shapes: Mapping[str, tuple[int, ...]], source: str) -> int | None:
+    """g of the [g, head_dim] qk-norm weights, read from layer 0 (None when absent: the
+    strict check names it)."""
+    s = shapes.get("model.layers.0.self_attn.q_norm.weight")
+    if s is None:
+        return None
+    if len(s) != 2:
+        raise CheckpointError(f"{source}: model.layers.0.self_attn.q_norm.weight {s} (expected [groups, head_dim])")
+    return int(s[0])
+
+
+def load_chameleon(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                   first_image_id: int = 4, num_image_codes: int = 8192) -> ChameleonTarget:
+    """A Chameleon target from an HF-layout directory (config.json + safetensors, sharded or not).
+
+    Strict: a missing shard, a missing key, a misshapen tensor or an unknown key raises
+    CheckpointError naming it (the image encoder under model.vqmodel.* is skipped). On
+    device "meta" only the headers are read: the checks run, the model holds no weights."""
+    d = Path(path)
+    cfg_file = d / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{d}: no config.json")
+    config = json.loads(cfg_file.read_text())
+    files = {k: f for k, f in safetensors_index(d).items() if not _skipped(k)}
+    shapes = safetensors_shapes(files)
+    cfg = ChameleonConfig.from_hf(config, qk_norm_groups(shapes, str(d)), str(cfg_file),
+                                  first_image_id=first_image_id, num_image_codes=num_image_codes)
+    if cfg.first_image_id + cfg.num_image_codes > cfg.vocab_size:
+        raise CheckpointError(f"{cfg_file}: image ids end at {cfg.first_image_id + cfg.num_image_codes}, "
+                              f"past the vocabulary of {cfg.vocab_size}")
+    check_state(_meta(shapes), expected_shapes(cfg), str(d))
+    if torch.device(device).type == "meta":  # shapes checked from the headers; no tensor read
+        with torch.device("meta"):
+            return ChameleonTarget(cfg).to(dtype).eval()
+    state = read_tensors(files, list(files), dtype, device)
+    state["lm_head.weight"] = state["lm_head.weight"][cfg.vocab.id_slice].clone()
+    with torch.device("meta"):
+        model = ChameleonTarget(cfg)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.to(device).eval()

@@ -1,0 +1,1 @@
+"""Janus-Pro: target, drafter, prompts, weights."""

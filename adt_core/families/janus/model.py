@@ -1,0 +1,325 @@
+"""Janus-Pro target (deepseek-ai/Janus-Pro-7B, -1B) with an explicit forward, and its VQ-16 decoder.
+
+Architecture (deepseek-ai/Janus janus/models/modeling_vlm.py; transformers' models/janus):
+the language model is a Llama (DeepSeek-LLM: pre-norm RMSNorm in fp32, 1-D rotate-half RoPE over
+the flat sequence, SwiGLU, no biases, no qk-norm, GQA allowed). Image generation uses its own
+input and output paths, separate from the text embedding and lm_head:
+
+    input   code c -> gen_embed [V, e] -> gen_aligner: Linear(e, H), GELU, Linear(H, H) -> (H,)
+    output  hidden -> gen_head: output_mlp_projector Linear(H, E), GELU, vision_head Linear(E, V)
+
+(7B: H = E = 4096, V = 16384, e = 8, 30 layers, 32 heads; GELU is the exact erf form.)
+
+Ids. Text ids and image codes are different embedding tables, so the contract's one id space
+puts codes after the text vocabulary: code c is id T + c (T = the text vocabulary, 102400 for
+7B; `ImageVocab(T, V, T + V)`). `embed` sends ids < T through the text embedding and ids
+T .. T + V - 1 through gen_embed + gen_aligner; logits cover the V codes only (gen_head).
+
+Reading checkpoint files (either on-disk layout) and the strict loaders `load_janus` /
+`load_janus_vq` are in janus_weights.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from adt_core.families.chameleon.model import apply_rope, rope_cos_sin
+from adt_core.families.contract import ImageVocab
+from adt_core.families.llamagen.drafter import MLP
+from adt_core.families.llamagen.model import RMSNorm
+from adt_core.families.vqgan import VQModel
+from adt_core.families.weights import CheckpointError
+from adt_core.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class JanusConfig:
+    hidden_size: int = 4096  # H
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    vocab_size: int = 102400  # T: text ids (the LM's embed_tokens rows); code c is id T + c
+    rms_norm_eps: float = 1e-6  # LlamaConfig's default; Janus' language_config does not set it
+    rope_theta: float = 10000.0
+    num_image_codes: int = 16384  # V
+    code_dim: int = 8  # e: gen_embed width (the VQ codebook's)
+    aligner_depth: int = 2  # gen_aligner: Linear(e, H), then (GELU, Linear(H, H)) x (depth - 1)
+    head_width: int = 4096  # E: gen_head's inner width (image_token_embed)
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of {self.num_attention_heads} heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.aligner_depth < 1:
+            raise ValueError(f"aligner depth {self.aligner_depth} < 1")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def vocab(self) -> ImageVocab:
+        return ImageVocab(self.vocab_size, self.num_image_codes, self.vocab_size + self.num_image_codes)
+
+    def num_params(self) -> int:
+        """Parameters held here (no text lm_head, no understanding encoder, no VQ)."""
+        h, e, v, w = self.hidden_size, self.code_dim, self.num_image_codes, self.head_width
+        layer = 2 * h * h + 2 * h * self.kv_width + 3 * h * self.intermediate_size + 2 * h
+        aligner = e * h + h + (self.aligner_depth - 1) * (h * h + h)
+        head = h * w + w + w * v + v
+        return self.vocab_size * h + self.num_hidden_layers * layer + h + v * e + aligner + head
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def janus_pro_7b(cls, **kw) -> "JanusConfig":
+        return cls(**kw)
+
+    @classmethod
+    def from_json(cls, config: Mapping[str, Any], source: str = "config.json") -> "JanusConfig":
+        """From either layout's config.json (published "multi_modality" or transformers "janus")."""
+        try:
+            if "language_config" in config:
+                return cls._from_published(config, source)
+            if "text_config" in config:
+                return cls._from_transformers(config, source)
+        except KeyError as e:
+            raise CheckpointError(f"{source}: missing field {e.args[0]!r}") from None
+        raise CheckpointError(f"{source}: neither language_config (deepseek-ai/Janus) nor text_config "
+                              f"(transformers) - not a Janus config")
+
+    @classmethod
+    def _from_published(cls, config: Mapping[str, Any], source: str) -> "JanusConfig":
+        lm = _llama_fields(config["language_config"], f"{source}: language_config")
+        vq = config["gen_vision_config"]["params"]
+        aligner = config["gen_aligner_config"]["params"]
+        head = config["gen_head_config"]["params"]
+        if aligner.get("projector_type", "mlp_gelu") != "mlp_gelu":
+            raise CheckpointError(f"{source}: gen_aligner projector_type {aligner['projector_type']!r} "
+                                  f"(expected mlp_gelu)")
+        h = lm["hidden_size"]
+        for what, got in (("gen_aligner n_embed", aligner["n_embed"]), ("gen_head n_embed", head["n_embed"])):
+            if int(got) != h:
+                raise CheckpointError(f"{source}: {what} {got} != the language model's hidden size {h}")
+        v = int(vq["image_token_size"])
+        if int(head["image_token_size"]) != v or int(aligner["input_dim"]) != int(vq["n_embed"]):
+            raise CheckpointError(f"{source}: gen_vision_config, gen_aligner_config and gen_head_config disagree "
+                                  f"on the codebook ({v} x {vq['n_embed']})")
+        return cls._build(lm, source, num_image_codes=v, code_dim=int(vq["n_embed"]),
+                          aligner_depth=int(aligner.get("depth", 1)), head_width=int(head["image_token_embed"]))
+
+    @classmethod
+    def _from_transformers(cls, config: Mapping[str, Any], source: str) -> "JanusConfig":
+        lm = _llama_fields(config["text_config"], f"{source}: text_config")
+        vq = config.get("vq_config") or {}
+        d = {"embed_dim": 8, "num_embeddings": 16384, "projection_dim": 2048, "num_hidden_layers": 2,
+             "image_token_embed_dim": 2048, "hidden_act": "gelu", **vq}  # JanusVQVAEConfig defaults
+        if d["hidden_act"] != "gelu":
+            raise CheckpointError(f"{source}: vq_config hidden_act {d['hidden_act']!r} (expected gelu)")
+        h = lm["hidden_size"]
+        for what in ("projection_dim", "image_token_embed_dim"):
+            if int(d[what]) != h:
+                raise CheckpointError(f"{source}: vq_config {what} {d[what]} != text hidden size {h}")
+        return cls._build(lm, source, num_image_codes=int(d["num_embeddings"]), code_dim=int(d["embed_dim"]),
+                          aligner_depth=int(d["num_hidden_layers"]), head_width=int(d["projection_dim"]))
+
+    @classmethod
+    def _build(cls, lm: dict, source: str, **kw) -> "JanusConfig":
+        try:
+            return cls(**lm, **kw)
+        except ValueError as e:
+            raise CheckpointError(f"{source}: {e}") from None
+
+
+def _llama_fields(c: Mapping[str, Any], source: str) -> dict:
+    """JanusConfig fields from a LlamaConfig dict, with LlamaConfig's defaults where absent."""
+    try:
+        h, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+        out = dict(hidden_size=h, num_attention_heads=heads, intermediate_size=int(c["intermediate_size"]),
+                   num_hidden_layers=int(c["num_hidden_layers"]), vocab_size=int(c["vocab_size"]))
+    except KeyError as e:
+        raise CheckpointError(f"{source}: missing field {e.args[0]!r}") from None
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise CheckpointError(f"{source}: RoPE type {rope.get('rope_type', rope.get('type'))!r} is not supported")
+    for flag in ("attention_bias", "mlp_bias"):
+        if c.get(flag):
+            raise CheckpointError(f"{source}: {flag} true is not supported")
+    if c.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{source}: hidden_act {c['hidden_act']!r} (expected silu)")
+    if c.get("head_dim") not in (None, h // heads):
+        raise CheckpointError(f"{source}: head_dim {c['head_dim']} != hidden_size / heads ({h // heads})")
+    out.update(num_key_value_heads=int(c.get("num_key_value_heads") or heads),
+               rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+               rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
+    return out
+
+
+# ---- modules ------------------------------------------------------------------------------
+class Attention(nn.Module):
+    """Llama attention: no biases, no qk-norm, rotate-half RoPE, GQA by repeating kv heads."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+                cache: KVCache | None, layer: int) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = apply_rope(self.q_proj(x).view(b, s, self.heads, self.head_dim), *rope).transpose(1, 2)
+        k = apply_rope(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim), *rope).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)  # (R, kv, S, hd)
+        if cache is not None:
+            k, v = cache.write(layer, k, v)  # (R, kv, K, hd)
+        if self.kv_heads != self.heads:
+            k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (R, heads, S, hd)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm Llama layer; input_norm=False drops the attention's input norm (EAGLE's first
+    drafter layer, whose input is already the fc projection)."""
+
+    def __init__(self, cfg: JanusConfig, input_norm: bool = True) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        if input_norm:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, rope, mask, cache, layer):
+        a = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
+        h = x + self.self_attn(a, rope, mask, cache, layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaBody(nn.Module):
+    """`language_model.model.*`: embed_tokens, layers, norm."""
+
+    def __init__(self, cfg: JanusConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, cfg: JanusConfig) -> None:
+        super().__init__()
+        self.model = LlamaBody(cfg)
+
+
+class GenAligner(nn.Module):
+    """`gen_aligner.layers`: Linear(e, H), then (GELU, Linear(H, H)) per extra depth (keys 0, 2, ...)."""
+
+    def __init__(self, cfg: JanusConfig) -> None:
+        super().__init__()
+        mods: list[nn.Module] = [nn.Linear(cfg.code_dim, cfg.hidden_size)]
+        for _ in range(1, cfg.aligner_depth):
+            mods += [nn.GELU(), nn.Linear(cfg.hidden_size, cfg.hidden_size)]
+        self.layers = nn.Sequential(*mods)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class GenHead(nn.Module):
+    """`gen_head`: output_mlp_projector Linear(H, E), GELU, vision_head Linear(E, V)."""
+
+    def __init__(self, cfg: JanusConfig) -> None:
+        super().__init__()
+        self.output_mlp_projector = nn.Linear(cfg.hidden_size, cfg.head_width)
+        self.vision_activation = nn.GELU()
+        self.vision_head = nn.Linear(cfg.head_width, cfg.num_image_codes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.vision_head(self.vision_activation(self.output_mlp_projector(x)))
+
+
+class JanusTarget(nn.Module):
+    def __init__(self, cfg: JanusConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.vocab = cfg.vocab
+        self.language_model = LanguageModel(cfg)
+        self.gen_embed = nn.Embedding(cfg.num_image_codes, cfg.code_dim)
+        self.gen_aligner = GenAligner(cfg)
+        self.gen_head = GenHead(cfg)
+
+    def new_cache(self, rows: int, max_len: int, device=None, dtype=None) -> KVCache:
+        p, c = self.gen_embed.weight, self.config
+        return KVCache(c.num_hidden_layers, rows, c.num_key_value_heads, c.head_dim, max_len,
+                       device or p.device, dtype or p.dtype)
+
+    def embed_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """Image codes (any shape) -> LM inputs (..., H): gen_aligner(gen_embed(codes)),
+        Janus' prepare_gen_img_embeds; the drafter's token embedding too."""
+        return self.gen_aligner(self.gen_embed(codes))
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Ids (R, S) -> inputs (R, S, H): text ids through embed_tokens, code ids (T + c)
+        through the image path. Both are computed for every id (no host sync on the mix)."""
+        v = self.vocab
+        is_code = v.is_code(tokens)
+        text = self.language_model.model.embed_tokens(torch.where(is_code, 0, tokens))
+        image = self.embed_codes(torch.where(is_code, v.to_code(tokens), 0))
+        return torch.where(is_code[..., None], image.to(text.dtype), text)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cache: KVCache | None = None,
+        tokens: torch.Tensor | None = None,
+        embeds: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (R, S) or (S,); mask (R, 1, S, K) bool (K = cached + S); tokens (R, S) ids
+        (text, or T + code) or embeds (R, S, H). Returns logits over the V image codes (R, S, V)
+        fp32 and post-norm hidden states (R, S, H)."""
+        if (tokens is None) == (embeds is None):
+            raise ValueError("forward needs exactly one of tokens or embeds")
+        x = self.embed(tokens) if tokens is not None else embeds.to(self.gen_embed.weight.dtype)
+        if positions.dim() == 1:
+            positions = positions[None].expand(x.shape[0], -1)
+        rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        for i, layer in enumerate(self.language_model.model.layers):
+            x = layer(x, rope, mask, cache, i)
+        if cache is not None:
+            cache.advance(x.shape[1])
+        hidden = self.language_model.model.norm(x)
+        return self.head(hidden), hidden
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(R, S, H) -> logits over image codes (R, S, V) fp32 (gen_head, not the text lm_head)."""
+        return self.gen_head(hidden).float()
+
+
+# ---- the VQ-16 decoder --------------------------------------------------------------------
+class JanusVQ(VQModel):
+    """LlamaGen's VQ model (the same architecture and parameter names) with Janus' pixel
+    conversion: uint8 = trunc(clip((x + 1) / 2 * 255, 0, 255)) (LlamaGen's adds 0.5 first)."""
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """codes (B, h, w) -> uint8 images (B, h*f, w*f, 3)."""
+        x = self.decode_float(tokens).float()
+        x = ((x + 1) / 2 * 255).clamp(0, 255)
+        return x.to(torch.uint8).permute(0, 2, 3, 1).contiguous()

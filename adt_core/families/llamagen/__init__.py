@@ -1,0 +1,1 @@
+"""LlamaGen: the GPT target, its EAGLE drafter, caption prompts, VQ-16 decoder."""

@@ -1,0 +1,1 @@
+"""The decoding round: plan, draft, verify, commit, for a whole batch."""

@@ -1,0 +1,160 @@
+"""The cost-aware draft budget for a batch of images in flight (ADT-Tree "cost" mode).
+
+With A slots in flight a plain AR step commits A tokens for cost(A) ms: one token is worth
+cost(A) / A ms. A round that drafts pays the draft levels and a wider verify forward; the
+forward is padded to the widest slot's tree, so keeping m nodes per slot costs
+cost(A (1 + m)) whatever the slots' individual trees. The budget, per round:
+
+1. whether to draft at all (`BatchBudget`): a drafted round must commit tokens EDGE times faster
+   than the plain AR steps just before it with about as many slots (a step's cost drifts as
+   images grow and the batch refills; only neighbours compare), in the median of the latest
+   few such comparisons (one slow step on a shared machine must not start a run of losing
+   drafts). Otherwise the round is a plain batched AR step (the drafter is not run, and it is
+   not fed the pairs of plain steps it will not need; it catches up on the last few in one
+   forward when drafting resumes). Slot counts share measurements by power of two. A count
+   with no verdict of its own alternates the two kinds until it has one, unless the nearest
+   measured count says plain steps: then (a draining batch, another decoder of the same
+   Generator) it runs plain steps and is measured by its probes. A verdict for drafting is
+   never borrowed: it must be measured at that count. The losing choice is tried again after
+   `PROBE_EVERY` rounds, the interval doubling (four-fold when the loser is far behind; up to
+   `PROBE_MAX`) while probes confirm the winner, so a change of regime (an easier part of the
+   images, another batch size) is noticed at a small cost.
+   This uses the clock because the drafter's real cost per level (bookkeeping, scoring, tree
+   building) is what decides; shapes and outputs stay exact either way.
+2. levels and nodes (`RoundPlanner`, adt_core/round/plan.py), decided on the host before the round
+   from what the previous drafted rounds showed (their candidates' path confidences, calibrated
+   by the tokens they actually committed) and the measured `CostTable`: nodes m maximise
+   (A + expected accepted tokens) / (cost(A (1 + m)) + draft time) over a few width buckets;
+   a level is kept while its expected tokens are worth its measured cost at the AR token price.
+
+Outputs never depend on any of these decisions (coupled / greedy exactness).
+"""
+
+from __future__ import annotations
+
+from adt_core.calibrate import CostTable
+from adt_core.config import AdaptiveConfig
+
+PROBE_EVERY, PROBE_MAX = 32, 512
+CLEAR_LOSS = 0.6  # a probe this far behind the winner (rate ratio) backs off four-fold
+EMA = 0.2  # the planner's smoothing of its own estimates (acceptance calibration, level cost)
+NEAR = 4  # a round is compared with the other kind's rounds among the NEAR rounds before it
+SAMPLES = 3  # comparisons measured before a bucket has a verdict
+WINDOW = 5  # a bucket's verdict: the median of its latest WINDOW comparisons
+EDGE = 1.03  # drafting must measure this much faster than plain steps to be chosen: the rates are
+# noisy on a shared machine, and a plain step is the safe choice (it costs exactly what `ar` pays)
+
+
+class BatchBudget:
+    """Whether the next round drafts, from rounds compared with their neighbours.
+
+    A step's cost drifts as images grow (attention reads every cached key) and as the batch
+    refills, so rates measured at different times do not compare. A round of the rarer kind
+    (a drafted round while plain steps win or while exploring, a plain probe while drafting
+    wins) is compared with the median rate of the other kind's rounds of the same slot bucket
+    among the NEAR rounds before it: their rate ratio (drafted / plain) is one comparison. A
+    bucket's gain is the median of its latest WINDOW comparisons, so a single round slowed by
+    other work on the machine decides nothing (medians of an even count take the middle value
+    that favours plain steps). A bucket without a verdict alternates the kinds,
+    plain first, until it has `samples` comparisons; afterwards the losing kind runs only as a
+    probe."""
+
+    def __init__(self, costs: CostTable, cfg: AdaptiveConfig, samples: int = SAMPLES) -> None:
+        self.costs, self.cfg, self.samples = costs, cfg, samples
+        self.ratios: dict[int, list[float]] = {}  # bucket -> its latest comparisons (drafted / plain rate)
+        self.verdict: dict[int, bool] = {}  # bucket -> drafting measured faster (once it has `samples` comparisons)
+        self.recent: dict[tuple[int, bool], list[tuple[int, float]]] = {}  # (bucket, drafted) -> (round, rate)
+        self.round = 0  # rounds measured
+        self.since_probe = 0
+        self.probe_every = PROBE_EVERY  # doubles while probes confirm the winner, up to PROBE_MAX
+
+    def token_ms(self, a: int) -> float:
+        """Modelled milliseconds per committed token of a plain AR step with `a` slots."""
+        return self.costs.cost(a) / a
+
+    @staticmethod
+    def bucket(a: int) -> int:
+        """Slot counts share measurements by power of two (1, 2-3, 4-7, ...): a draining batch
+        passes through few buckets, not one exploration per image that leaves."""
+        return a.bit_length()
+
+    @property
+    def gain(self) -> dict[int, float]:
+        """Bucket -> drafted / plain rate: the median of its latest comparisons."""
+        return {k: _median(r) for k, r in self.ratios.items() if r}
+
+    def pairs(self, k: int) -> int:
+        """Comparisons measured in bucket k."""
+        return len(self.ratios.get(k, ()))
+
+    def _winner(self, k: int) -> bool | None:
+        """Whether drafting measured faster in bucket k (None: not enough comparisons yet)."""
+        return self.verdict.get(k)
+
+    def _choice(self, k: int) -> bool | None:
+        """Bucket k's choice: its own winner, else plain steps where the nearest measured bucket
+        chose them (None: measure this bucket; drafting is never taken on another's word)."""
+        better = self._winner(k)
+        if better is not None:
+            return better
+        if not self.verdict:
+            return None
+        nearest = min(self.verdict, key=lambda b: abs(b - k))
+        return False if not self.verdict[nearest] else None
+
+    def worth_drafting(self, a: int) -> bool:
+        k = self.bucket(a)
+        choice = self._choice(k)
+        if choice is None:  # alternate, plain first
+            last = lambda d: max((r for r, _ in self.recent.get((k, d), ())), default=-1)  # noqa: E731
+            return last(False) > last(True)
+        if self.since_probe >= self.probe_every:
+            return not choice  # probe the losing choice (a bucket with a borrowed verdict: only by probes)
+        return choice
+
+    def probing(self, a: int) -> bool:
+        """True when the next round of `a` slots measures rather than exploits (exploring a
+        bucket, or a probe of the losing choice): the planner's model may not veto it."""
+        return self._choice(self.bucket(a)) is None or self.since_probe >= self.probe_every
+
+    def plain_ahead(self, a: int, rounds: int) -> bool:
+        """True when the next `rounds` rounds of `a` slots will be plain steps (the drafter then
+        needs none of their pairs)."""
+        return self._choice(self.bucket(a)) is False and self.since_probe + rounds < self.probe_every
+
+    def observe_round(self, a: int, drafted: bool, ms: float, tokens: int) -> None:
+        """A finished round with `a` slots: whether it drafted, its ms, tokens committed."""
+        k = self.bucket(a)
+        rate = tokens / max(ms, 1e-6)
+        self.round += 1
+        before = self._choice(k)
+        if drafted != bool(before):  # the rarer kind: compare it with the other kind's rounds just before
+            near = [x for r, x in self.recent.get((k, not drafted), ()) if self.round - r <= NEAR]
+            if near:  # the plain rounds' upper median, the drafted ones' lower: ties favour plain steps
+                ref = _median(near, upper=drafted)
+                ratios = self.ratios.setdefault(k, [])
+                ratios.append(rate / ref if drafted else ref / rate)
+                del ratios[:-WINDOW]
+                if len(ratios) >= self.samples:
+                    self.verdict[k] = _median(ratios) > EDGE
+        mine = self.recent.setdefault((k, drafted), [])
+        mine.append((self.round, rate))
+        del mine[:-NEAR]
+        if before is None:
+            return
+        if drafted != before:  # a probe of the losing choice
+            self.since_probe = 0
+            same = self._choice(k) == before
+            grow = 2
+            if k in self.ratios:
+                g = _median(self.ratios[k])
+                grow = 4 if min(g, 1 / max(g, 1e-9)) < CLEAR_LOSS else 2
+            self.probe_every = min(grow * self.probe_every, PROBE_MAX) if same else PROBE_EVERY
+        else:
+            self.since_probe += 1
+
+
+def _median(xs: list[float], upper: bool = False) -> float:
+    """The middle value; of an even count, the lower (or upper) middle one: ties go to plain steps."""
+    s = sorted(xs)
+    return s[len(s) // 2] if upper else s[(len(s) - 1) // 2]

@@ -1,0 +1,409 @@
+"""Many images in flight: the slots, and one decoding round over all of them.
+
+A `BatchDecoder` holds up to C images (slots). Slot b owns target-cache rows b and C + b (cond,
+uncond) and the same drafter-cache rows. Every round is whole-batch tensor work over all C slots
+(free ones ride along as padding), with ONE host read per speculative round and none in a plain
+step:
+
+- plan (host): the method's `Planner` gives a `RoundPlan` or None (adt_core/round/plan.py);
+- plain step (None, and every `ar` step): one target forward of each slot's root, one draw per
+  slot, commit; the drafter's pairs go to its ring (one indexed store). The same code serves
+  `ar` and a speculative method's non-drafting rounds, so such a round costs what `ar` pays;
+- speculative round: draft (adt_core/round/draft.py: catch-up + one drafter forward per level), rerank
+  to the plan's M nodes per slot (tree.rerank_batch), ONE target forward over every root + tree
+  (per-row positions and ancestor masks), verify (verify.follow_batch; the rejection sampler and
+  LANTERN's relaxed acceptance verify slot by slot), then the one read: accepted counts and what
+  the planner learns. Commit: keep root + accepted path in each cache row, append the tokens.
+
+Model families (adt_core/families/contract.py): a slot's rows are prefilled from the family's
+PromptRows (each row its own length); image index i of cache row r sits at base[r] +
+layout.offset(i); the models read ids (ImageVocab.to_id) and give logits over codes. Forced
+end-of-line tokens (Lumina) ride in the forward that caches a row's last code
+(adt_core/round/forced.py); trees never cross a row end.
+
+Time per image: each round's wall time is shared equally by its images; prefill time by the
+images admitted together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from adt_core.bundles.bundle import Bundle
+from adt_core.calibrate import CostTable, Timer
+from adt_core.config import DecodeConfig
+from adt_core.families.contract import Layout, PromptRows
+from adt_core.families.llamagen.prompt import caption_rows
+from adt_core.results import StepStats
+from adt_core.round.adaptive import AdaptiveGrid
+from adt_core.round.draft import BatchDrafter, DraftScorer, StaticLevels
+from adt_core.round.forced import ForcedEol
+from adt_core.round.log import RoundLog
+from adt_core.round.plan import Planner, bucket, planner_for
+from adt_core.round.prefill import prefill_rows
+from adt_core.round.sampler import Sampler
+from adt_core.round.sampling import cfg_mix
+from adt_core.round.state import RoundOutcome, RoundPlan, Slots, TreeBatch, Verified
+from adt_core.round.tree import rerank_batch, tree_of
+from adt_core.round.verify import Relaxation, follow_batch, verify_coupled, verify_greedy, verify_stochastic
+
+HOLD = 0.01  # idle batch a split wave may spend waiting to refill together, as a share of an image's rounds
+
+
+@dataclass(frozen=True)
+class DecodeSetup:
+    """What a BatchDecoder needs from its Generator, fixed for the Generator's life."""
+
+    bundle: Bundle
+    config: DecodeConfig
+    sampler: Sampler
+    scorer: DraftScorer
+    cfg_rows: int  # 2 with classifier-free guidance, else 1
+    n_tokens: int  # image tokens decoded per image
+    device: torch.device
+    timer: Timer
+    costs: CostTable | None  # the cost budget's measured table (adt + cost), else None
+    relax: Relaxation | None  # LANTERN's relaxed acceptance (lossy), else None
+    planners: dict  # capacity -> the last decoder's planner: what it learned carries over
+    prompter: object  # the family's Prompter (adt_core/families/contract.py): prompt rows, layout, vocabulary
+    max_prompt: int  # the longest prompt row a slot may hold (cache entries before image index 0)
+
+
+@dataclass
+class Finished:
+    index: int
+    prompt: str
+    seed: int
+    tokens: torch.Tensor  # (num_image_tokens,) long, CPU
+    stats: StepStats
+
+
+class BatchDecoder:
+    def __init__(self, setup: DecodeSetup, capacity: int) -> None:
+        self.s, self.capacity = setup, capacity
+        b, c = setup.bundle, setup.config
+        self.n, self.r = setup.n_tokens, setup.cfg_rows
+        self.layout: Layout = setup.prompter.layout
+        self.vocab = setup.prompter.vocab
+        # id of each code the models read (id == code needs no op)
+        self.ids = self.vocab.to_id if self.vocab.first_id else (lambda codes: codes)
+        self.base = setup.max_prompt  # the longest prompt row
+        span = int(self.layout.offset(self.n - 1)) + 1  # sequence entries of image indices 0 .. n - 1
+        # each cache row's prompt length = sequence position of its image index 0 (per row: a
+        # family's uncond row may be shorter than its cond row); set on admit
+        self.row_base = np.zeros(self.r * capacity, np.int64)
+        self.base_col = torch.zeros(self.r * capacity, 1, dtype=torch.long, device=setup.device)  # (R, 1)
+        # forced end-of-line after every image row (Lumina): adt_core/round/forced.py
+        self.forced = None
+        if self.layout.eol is not None:
+            self.forced = ForcedEol(torch.tensor(self.layout.eol, dtype=torch.long, device=setup.device),
+                                    self.layout.grid_w, self.n, self.rows)
+        self.scale = setup.sampler.sampling.cfg_scale
+        adt = c.method == "adt"
+        self.grid = AdaptiveGrid(capacity, (self.layout.grid_h, self.layout.grid_w), c.adaptive) if adt else None
+        self.planner: Planner = planner_for(c, self.n, self.grid, setup.costs, capacity)
+        if capacity in setup.planners:
+            self.planner.adopt(setup.planners[capacity])
+        elif setup.planners:  # another capacity's: its measurements per slot count
+            self.planner.share(setup.planners[min(setup.planners, key=lambda c: abs(c - capacity))])
+        setup.planners[capacity] = self.planner
+        widest = self._widest_tree()
+        self.cache = b.target.new_cache(self.r * capacity, self.base + span + widest + 2)
+        self.drafter = None
+        if self.planner.drafts:
+            fed = max(len(c.tree.static_paths or ()), (c.adaptive.d_max if adt else c.tree.depth) * self._width_cap())
+            self.drafter = BatchDrafter(b.drafter, b.target.head, self.scale, capacity, self.r,
+                                        self.base + span + fed + 1, setup.scorer, self.seq_pos, self.ids)
+        self.static = c.tree.static_paths if c.method == "static" else None
+        self._static_levels: dict[int, StaticLevels] = {}
+        self.slots = Slots.empty(capacity, self.n, setup.device)
+        self.meta: list[tuple[int, str, int] | None] = [None] * capacity
+        self.log = RoundLog(capacity, c.method != "ar", c.lantern is not None, setup.sampler.kind)
+        self.curve_len = c.adaptive.n_max + 1
+        self.verify_slot = {"greedy": self._greedy_one, "coupled": self._coupled_one,
+                            "rejection": self._rejection_one}[setup.sampler.kind]
+
+    def _width_cap(self) -> int:
+        c = self.s.config
+        return c.adaptive.k_max if c.method == "adt" else c.tree.top_k
+
+    def _widest_tree(self) -> int:
+        c = self.s.config
+        if c.method == "ar":
+            return 0
+        if c.method == "static":
+            return len(c.tree.static_paths)
+        return bucket(c.adaptive.n_max) if c.method == "adt" else c.tree.budget
+
+    def seq_pos(self, index: torch.Tensor) -> torch.Tensor:
+        """Image indices (C, S) of each slot -> their sequence positions (R, S) in each cache row:
+        the row's prompt length plus the layout's offset of the index."""
+        return self.layout.offset(self.rows(index)) + self.base_col
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """(C, ...) -> (R, ...): each slot's value for its cond then uncond row."""
+        return x if self.r == 1 else torch.cat([x] * self.r)
+
+    def host_rows(self, x: np.ndarray) -> np.ndarray:
+        return np.concatenate([x] * self.r)
+
+    # ---- slots --------------------------------------------------------------------------
+    def free(self) -> list[int]:
+        return np.flatnonzero(~self.slots.active).tolist()
+
+    def active(self) -> list[int]:
+        return np.flatnonzero(self.slots.active).tolist()
+
+    def admits_now(self) -> bool:
+        """Whether free slots take new images now (`Generator.rounds` asks before refilling). A
+        probe leaves slots a token or two apart; refilled at once, the wave stays split (plain
+        steps on the cache's ragged path, prefills in small groups). While plain steps are ahead
+        the free slots wait for the rest of the wave, at most HOLD of an image's rounds of idle
+        batch (free fraction x rounds left), and the wave refills together, as `ar`'s does."""
+        s = self.slots
+        a = int(s.active.sum())
+        if a == 0 or a == self.capacity:
+            return True
+        left = int(np.max(self.n - s.host_count[s.active]))
+        if not self.planner.plain_ahead(a, left):
+            return True
+        return (1 - a / self.capacity) * left > HOLD * self.n
+
+    @torch.inference_mode()
+    def admit(self, items: list[tuple[int, str, int]], rows: PromptRows | torch.Tensor,
+              cmask: torch.Tensor | None = None) -> list[Finished]:
+        """Prefill `items` (index, prompt, seed) into free slots from their PromptRows (cond rows,
+        then uncond rows with CFG; or LlamaGen's encoded captions (n, T, C) with their mask
+        (n, T)); returns those already finished (one-token images)."""
+        s, setup, dev = self.slots, self.s, self.s.device
+        t0 = setup.timer.now()
+        n = len(items)
+        if not isinstance(rows, PromptRows):
+            rows = caption_rows(setup.bundle.target, rows, cmask, self.r == 2)
+        if rows.images != n or rows.rows != self.r * n:
+            raise ValueError(f"{rows.rows} prompt rows for {n} images with {self.r} rows each")
+        lengths = rows.lengths.cpu().numpy().astype(np.int64)
+        if int(lengths.max()) > self.base:
+            raise ValueError(f"a prompt row of {int(lengths.max())} entries; this decoder holds {self.base}")
+        free = np.flatnonzero(~s.active)[:n]
+        free_t = torch.from_numpy(free).to(dev)
+        tmp = setup.bundle.target.new_cache(self.r * n, rows.valid.shape[1])
+        logits, hidden = prefill_rows(setup.bundle.target, rows, tmp, lengths)  # (R_n, V), (R_n, L, dim)
+        cache_rows = np.concatenate([free + i * self.capacity for i in range(self.r)])
+        self.row_base[cache_rows] = lengths
+        self.base_col = torch.from_numpy(self.row_base[:, None].copy()).to(dev)
+        seeds = torch.tensor([seed for _, _, seed in items], dtype=torch.long, device=dev)
+        gens = [torch.Generator(device=dev).manual_seed(seed) if setup.sampler.kind == "rejection" else None
+                for _, _, seed in items]
+        first = setup.sampler.sample(cfg_mix(logits, self.scale), seeds, torch.zeros_like(seeds), gens)  # (n,)
+        self.cache.load_rows(torch.cat([free_t + i * self.capacity for i in range(self.r)]), tmp)
+        s.seeds[free_t], s.count[free_t] = seeds, 0
+        s.active[free], s.host_count[free] = True, 0
+        for j, b in enumerate(free):
+            self.meta[b], s.gens[b] = items[j], gens[j]
+        mask = np.zeros(self.capacity, bool)
+        mask[free] = True
+        if self.grid is not None:
+            self.grid.reset(mask)
+        if self.drafter is not None:
+            self._drafter_admit(free, free_t, hidden, first, lengths, rows)
+        one = np.zeros(self.capacity, np.int64)
+        one[free] = 1
+        new = torch.zeros(self.capacity, 1, dtype=torch.long, device=dev)
+        new[free_t, 0] = first
+        s.write(new, torch.from_numpy(one).to(dev), one)
+        self.log.admit(free, (setup.timer.now() - t0) / n)
+        return self._retire()
+
+    def _drafter_admit(self, free: np.ndarray, free_t: torch.Tensor, hidden: torch.Tensor, first: torch.Tensor,
+                       lengths: np.ndarray, rows: PromptRows) -> None:
+        """New images' first pair (h at each row's last prompt position, token 0) into the
+        drafter's ring; LANTERN-style drafters also read the caption pairs now."""
+        mask = np.zeros(self.capacity, bool)
+        mask[free] = True
+        self.drafter.reset(mask)
+        n, dev = len(free), self.s.device
+        h = hidden.view(self.r, n, *hidden.shape[1:])  # (cfg, n, T, dim)
+        if getattr(self.s.bundle.drafter.config, "caption_pairs", False):
+            self.drafter.caption_pairs(free, h)
+        elif rows.tokens is not None:  # a token family's drafter reads the prompt's pairs, as EAGLE's does
+            self.drafter.prompt_pairs(free, rows.tokens.to(dev), hidden, rows.positions.to(dev), lengths)
+        last = torch.zeros(self.r * self.capacity, 1, h.shape[-1], device=dev, dtype=h.dtype)
+        tok = torch.zeros(self.capacity, 1, dtype=torch.long, device=dev)
+        rows = torch.cat([free_t + i * self.capacity for i in range(self.r)])
+        at = torch.from_numpy(lengths - 1).to(dev)  # (R_n,) each row's last prompt entry
+        last[rows, 0] = hidden[torch.arange(self.r * n, device=dev), at]
+        tok[free_t, 0] = first
+        counts = torch.zeros(self.capacity, dtype=torch.long, device=dev)
+        counts[free_t] = 1
+        self.drafter.ring.push(torch.zeros_like(counts), last, tok, counts)
+
+    def _retire(self) -> list[Finished]:
+        s = self.slots
+        done = np.flatnonzero(s.active & (s.host_count >= self.n))
+        if done.size == 0:
+            return []
+        grid = torch.zeros(done.size, self.layout.num_codes, dtype=torch.long)
+        grid[:, : self.n] = s.tokens[torch.from_numpy(done).to(s.tokens.device), : self.n].cpu()
+        out = []
+        for j, b in enumerate(done):
+            index, prompt, seed = self.meta[b]
+            out.append(Finished(index, prompt, seed, grid[j], self.log.finish(b, self.capacity)))
+            self.meta[b], s.gens[b] = None, None
+        mask = np.zeros(self.capacity, bool)
+        mask[done] = True
+        s.active[mask], s.host_count[mask] = False, 0
+        s.count[torch.from_numpy(mask).to(s.count.device)] = 0
+        host = self.cache.host.copy()
+        host[self.host_rows(mask)] = 0
+        self.cache.set_lengths(host)
+        if self.drafter is not None:
+            self.drafter.reset(mask)
+        return out
+
+    # ---- one round ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Finished]:
+        """One round over every active slot; returns the images that finished."""
+        if not self.slots.active.any():
+            return []
+        t0 = self.s.timer.mark()
+        plan = self.planner.plan(self.slots)
+        if plan is not None and self.forced is not None:
+            plan = self.forced.within_row(plan, self.slots)
+        if plan is None:
+            self._plain_step(t0)
+        else:
+            self._spec_round(plan, t0)
+        return self._retire()
+
+    def _plain_step(self, t0: float) -> None:
+        """A plain batched AR step: each slot's root through the target, one draw per slot."""
+        s, setup, dev = self.slots, self.s, self.s.device
+        active = s.active.copy()
+        position = s.host_count.copy()
+        pos = self.seq_pos((s.count - 1)[:, None])  # (R, 1)
+        start = self.cache.host.copy()
+        eol = self.forced.roots(self.slots) if self.forced is not None else None
+        tokens = self.ids(self.rows(s.roots()[:, None]))
+        if eol is None:
+            one = torch.ones(self.cache.rows, 1, 1, dtype=torch.bool, device=dev)
+            logits, hidden = setup.bundle.target(pos, self.cache.attn_mask(one), self.cache, tokens=tokens)
+        else:
+            eol_t = torch.from_numpy(eol).to(dev)
+            tokens, pos, causal = self.forced.with_companion(tokens, pos, None, eol_t)
+            logits, hidden = setup.bundle.target(pos, self.cache.attn_mask(causal), self.cache, tokens=tokens)
+            r_eol = self.rows(eol_t)
+            logits, hidden = self.forced.root_entry(logits, r_eol), self.forced.root_entry(hidden, r_eol)
+        new = setup.sampler.sample(cfg_mix(logits[:, 0], self.scale), s.seeds, s.count, s.gens)  # (C,)
+        grow = active.astype(np.int64)
+        self.cache.set_lengths(start + self.host_rows(grow if eol is None else grow + eol))
+        counts = torch.from_numpy(grow).to(dev)
+        if self.drafter is not None and self.planner.feeds_drafter(int(active.sum())):
+            self.drafter.ring.push_one(s.count, hidden[:, 0], new, counts)
+        elif self.drafter is not None:
+            self.drafter.ring.skip(active, position + 1)  # pairs up to this one: never fed
+        s.write(new[:, None], counts, grow)
+        ms = setup.timer.now() - t0
+        self.planner.observe_plain(int(active.sum()), ms)
+        self.log.add(active, position, 0.0, ms)
+
+    def _spec_round(self, plan: RoundPlan, t0: float) -> None:
+        s, setup, dev = self.slots, self.s, self.s.device
+        active, position = s.active.copy(), s.host_count.copy()
+        noise = setup.sampler.noise(s.seeds, s.count, plan.levels + 1)  # (C, D + 1, V) or None
+        pool = self.drafter.propose(plan, s, noise, self._static(plan.levels))
+        t1 = setup.timer.mark()
+        tree = rerank_batch(pool, plan.nodes, torch.from_numpy(plan.budget).to(dev), s.roots(), plan.levels)
+        start = self.cache.host.copy()
+        pos = self.seq_pos((s.count - 1)[:, None] + tree.depths)  # (R, 1 + M)
+        eol = self.forced.roots(self.slots) if self.forced is not None else None
+        tokens, tmask = self.ids(self.rows(tree.tokens)), tree.mask
+        if eol is not None:
+            eol_t = torch.from_numpy(eol).to(dev)
+            tokens, pos, tmask = self.forced.with_companion(tokens, pos, tmask, eol_t)
+        logits, hidden = setup.bundle.target(pos, self.cache.attn_mask(self.rows(tmask)), self.cache, tokens=tokens)
+        if eol is not None:
+            r_eol = self.rows(eol_t)
+            logits, hidden = self.forced.root_entry(logits, r_eol), self.forced.root_entry(hidden, r_eol)
+        mixed = cfg_mix(logits, self.scale)  # (C, 1 + M, V)
+        active_t = torch.from_numpy(active).to(dev)
+        ver = self._verify(tree, mixed, noise, plan.levels, active)
+        counts = torch.where(active_t, ver.accepted + 1, 0)
+        out = self._read(ver, tree, pool.scores, pool.valid, active_t, plan.levels)  # the one host read
+        grow = np.where(active, out.accepted + 1, 0)
+        if eol is None:
+            self.cache.keep_rows(start, self.rows(ver.path), self.host_rows(grow))
+        else:  # entries: root, companion, nodes
+            self.cache.keep_rows(start, self.rows(self.forced.cache_index(ver.path, eol_t)), self.host_rows(grow + eol))
+        kept = hidden.gather(1, self.rows(ver.path)[..., None].expand(-1, -1, hidden.shape[2]))  # (R, D + 1, dim)
+        self.drafter.ring.push(s.count, kept, ver.new, counts)
+        s.write(ver.new, counts, grow)
+        if self.grid is not None:
+            self.grid.observe(position, np.where(active, out.depth, 0), plan.widths, out.accepted)
+        t2 = setup.timer.now()
+        self.planner.observe(plan, out, int(active.sum()), t2 - t0, t1 - t0)
+        self.log.add(active, position, t1 - t0, t2 - t1, out.depth, plan.widths, out.nodes, out.accepted,
+                     plan.levels, int(active.sum()) * tree.size)
+
+    def _static(self, levels: int) -> StaticLevels | None:
+        if self.static is None:
+            return None
+        if levels not in self._static_levels:
+            self._static_levels[levels] = StaticLevels.build(self.static, levels, self.s.device)
+        return self._static_levels[levels]
+
+    def _read(self, ver: Verified, tree: TreeBatch, scores: torch.Tensor, valid: torch.Tensor,
+              active: torch.Tensor, levels: int) -> RoundOutcome:
+        """Everything the host needs from this round, in one device -> host copy."""
+        c = self.capacity
+        live = tree.valid & (tree.depths > 0) & active[:, None]  # (C, 1 + M) drafted nodes of active slots
+        conf = torch.where(live, tree.scores.double().exp(), 0.0)
+        level_conf = torch.zeros(levels + 1, dtype=torch.float64, device=conf.device)
+        level_conf.scatter_add_(0, tree.depths.flatten(), conf.flatten())
+        m = min(self.curve_len - 1, scores.shape[1])
+        best = torch.topk(torch.where(valid & active[:, None], scores.double(), float("-inf")), m, dim=1).values
+        curve = torch.cat([torch.zeros(1, dtype=torch.float64, device=conf.device), best.exp().cumsum(1).sum(0)])
+        curve = torch.cat([curve, curve[-1:].expand(self.curve_len - curve.numel())])
+        depth = torch.where(tree.valid, tree.depths, 0).max(1).values
+        nodes = live.sum(1)
+        flat = torch.cat([ver.accepted.double(), depth.double(), nodes.double(), level_conf, curve]).cpu().numpy()
+        i = np.cumsum([0, c, c, c, levels + 1])
+        ints = lambda x: x.astype(np.int64)  # noqa: E731
+        return RoundOutcome(ints(flat[i[0]:i[1]]), ints(flat[i[1]:i[2]]), ints(flat[i[2]:i[3]]), flat[i[3]:i[4]],
+                            flat[i[4]:])
+
+    # ---- verification ---------------------------------------------------------------------
+    def _verify(self, tree: TreeBatch, mixed: torch.Tensor, noise: torch.Tensor | None, levels: int,
+                active: np.ndarray) -> Verified:
+        """Whole-batch for greedy and coupled; slot by slot for the rejection sampler and LANTERN."""
+        if self.s.sampler.vectorised and self.s.relax is None:
+            nz = None
+            if noise is not None:  # each node's position row: nodes at one depth share it
+                nz = noise.gather(1, tree.depths[..., None].expand(-1, -1, noise.shape[2]))
+            return follow_batch(tree, self.s.sampler.targets(mixed, nz), levels)
+        c, dev = self.capacity, self.s.device
+        acc = torch.zeros(c, dtype=torch.long, device=dev)
+        path = torch.zeros(c, levels + 1, dtype=torch.long, device=dev)
+        new = torch.zeros(c, levels + 1, dtype=torch.long, device=dev)
+        for b in np.flatnonzero(active):
+            t = tree_of(tree, b)
+            nz = None if noise is None else noise[b][t.depths]
+            res = self.verify_slot(t, mixed[b, : t.size], self.slots.gens[b], nz)
+            a = res.num_accepted
+            acc[b] = a
+            path[b, : a + 1] = torch.tensor([0] + res.accepted, device=dev)
+            new[b, : a + 1] = torch.cat([t.tokens[res.accepted], torch.tensor([res.bonus], device=dev)])
+        return Verified(acc, path, new)
+
+    def _greedy_one(self, tree, mixed, gen, noise):
+        return verify_greedy(tree, mixed, self.s.relax)
+
+    def _coupled_one(self, tree, mixed, gen, noise):
+        return verify_coupled(tree, mixed, noise, self.s.sampler.sampling, self.s.relax)
+
+    def _rejection_one(self, tree, mixed, gen, noise):
+        return verify_stochastic(tree, mixed, self.s.sampler.sampling, gen, self.s.relax)

@@ -1,0 +1,260 @@
+"""Round planners: what each method drafts, decided once per round on the host.
+
+A planner is picked once per Generator (`planner_for`) and answers `plan(slots)` with a
+`RoundPlan` (levels D, width K, kept nodes M, and per-slot depth / width / node budget) or None
+(a plain AR step). It reads only host state: the slots' committed counts and what earlier rounds
+reported (`RoundOutcome`, read back once per round), so planning never waits for the device.
+
+- `ar`: never drafts.
+- `eagle2`: D = tree.depth, K = tree.top_k, M = tree.budget for every slot.
+- `static`: the fixed tree (cut to the image's end).
+- `adt` (budget "shape", the paper's): each slot's (d, k) from the ADT-Tree controller
+  (adt_core/round/adaptive.py), n = gamma d k kept nodes; the batch's D, K, M are the slots' largest.
+- `adt` (budget "cost", the default): the slots' (d, k) as above, and
+  1. whether to draft at all: `BatchBudget`'s measured rates (adt_core/round/budget.py);
+  2. M: the width bucket maximising (A + expected accepted tokens) / (verify + draft ms),
+     expected tokens = the last drafted round's summed path confidences of each slot's m best
+     candidates, calibrated by the tokens its kept nodes actually committed;
+  3. a depth cap: the deepest level whose kept nodes' expected tokens pay the level's measured
+     cost at the AR token price (one level deeper is tried when every level paid);
+  4. a plan the model rates clearly below a plain step (VETO) is not run, except as the guard's
+     probe: a large batch on a CPU then costs what batched AR costs.
+
+Verify widths are padded to a few buckets (WIDTHS), so a compiled or captured step can serve them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from adt_core.calibrate import CostTable
+from adt_core.config import AdaptiveConfig, DecodeConfig
+from adt_core.round.adaptive import AdaptiveGrid, shape_budget
+from adt_core.round.budget import EMA, BatchBudget
+from adt_core.round.state import RoundOutcome, RoundPlan, Slots
+
+WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # drafted nodes per slot a verify may carry
+PRIOR = 0.7  # before any drafted round: the assumed acceptance of a draft level, per level
+RESUME = 4  # pairs a plain run keeps for the drafter ahead of a possible draft: its catch-up when drafting
+# resumes is one forward over at most these (a 16-pair catch-up at 64 in flight cost ~1.5 plain steps here)
+VETO = 0.8  # a plan the model rates below this fraction of a plain step's rate is not tried (but probed)
+
+
+def bucket(m: int) -> int:
+    """The smallest width bucket holding m nodes (m itself past the largest)."""
+    return next((w for w in WIDTHS if w >= m), m)
+
+
+class Planner:
+    """Never drafts (method "ar")."""
+
+    drafts = False
+
+    def adopt(self, earlier: "Planner") -> None:
+        """Start from what an earlier decoder of the same Generator learned (nothing here)."""
+
+    def share(self, other: "Planner") -> None:
+        """Use the draft-or-not measurements of another capacity's planner of the same Generator
+        (they are per slot count, not per capacity; nothing here)."""
+
+    def __init__(self, n_tokens: int) -> None:
+        self.n = n_tokens
+
+    def room(self, slots: Slots) -> np.ndarray:
+        """(C,) levels each slot can still draft (0 for free slots and an image's last token)."""
+        return np.where(slots.active, np.maximum(self.n - slots.host_count - 1, 0), 0)
+
+    def plan(self, slots: Slots) -> RoundPlan | None:
+        return None
+
+    def observe(self, plan: RoundPlan, outcome: RoundOutcome, slots: int, round_ms: float, draft_ms: float) -> None:
+        """A speculative round finished (times in ms, `slots` active)."""
+
+    def observe_plain(self, slots: int, round_ms: float) -> None:
+        """A plain step finished."""
+
+    def plain_ahead(self, slots: int, rounds: int) -> bool:
+        """True when the next `rounds` rounds with `slots` active will be plain steps (never for
+        `ar`, whose slots finish together, nor for the methods that always draft)."""
+        return False
+
+    def feeds_drafter(self, slots: int) -> bool:
+        """Whether a plain step with `slots` active must keep its pairs for the drafter (False
+        when the next RESUME rounds will not draft: their pairs are skipped for good)."""
+        return self.drafts and not self.plain_ahead(slots, RESUME)
+
+    @staticmethod
+    def _fixed(depth: np.ndarray, width: int, nodes: int) -> RoundPlan | None:
+        if depth.max(initial=0) <= 0:
+            return None
+        full = lambda v: np.full(depth.shape, v, np.int64)  # noqa: E731
+        return RoundPlan(int(depth.max()), width, nodes, depth, full(width), full(nodes))
+
+
+class EaglePlanner(Planner):
+    drafts = True
+
+    def __init__(self, n_tokens: int, config: DecodeConfig) -> None:
+        super().__init__(n_tokens)
+        self.tree = config.tree
+
+    def plan(self, slots: Slots) -> RoundPlan | None:
+        return self._fixed(np.minimum(self.room(slots), self.tree.depth), self.tree.top_k, self.tree.budget)
+
+
+class StaticPlanner(EaglePlanner):
+    def plan(self, slots: Slots) -> RoundPlan | None:
+        depth = np.minimum(self.room(slots), self.tree.depth)
+        nodes = sum(1 for p in self.tree.static_paths if len(p) <= depth.max(initial=0))
+        return self._fixed(depth, 0, nodes)
+
+
+class ShapePlanner(Planner):
+    """ADT-Tree with the paper's fixed node budget n = clamp(round(gamma d k), n_min, n_max)."""
+
+    drafts = True
+
+    def __init__(self, n_tokens: int, cfg: AdaptiveConfig, grid: AdaptiveGrid) -> None:
+        super().__init__(n_tokens)
+        self.cfg, self.grid = cfg, grid
+
+    def shapes(self, slots: Slots) -> tuple[np.ndarray, np.ndarray]:
+        d, k = self.grid.shapes(slots.host_count)
+        return np.minimum(d, self.room(slots)), k
+
+    def plan(self, slots: Slots) -> RoundPlan | None:
+        d, k = self.shapes(slots)
+        if d.max(initial=0) <= 0:
+            return None
+        budget = np.array([shape_budget(int(a), int(b), self.cfg) if a > 0 else 0 for a, b in zip(d, k)])
+        live = d > 0
+        return RoundPlan(int(d.max()), int(k[live].max()), bucket(int(budget.max())), d, k, budget)
+
+
+class CostPlanner(ShapePlanner):
+    """ADT-Tree sized by this device's measured costs (budget "cost")."""
+
+    def __init__(self, n_tokens: int, cfg: AdaptiveConfig, grid: AdaptiveGrid, costs: CostTable, capacity: int,
+                 cpu: bool = False) -> None:
+        super().__init__(n_tokens, cfg, grid)
+        self.costs, self.capacity = costs, capacity
+        # on a CPU the rounds are compared by this process's CPU time: on a shared machine wall time
+        # swings with other work, CPU time is what the round itself cost (a GPU: the synced wall time)
+        self.cpu = cpu
+        self._c0 = 0.0
+        self.guard = BatchBudget(costs, cfg)
+        self.cal = 1.0  # tokens committed per unit of summed kept-node confidence
+        self.curve: np.ndarray | None = None  # (n_max + 1,) expected accepted tokens per slot keeping m nodes
+        self.level_ms: float | None = None  # measured draft ms per level
+        self.depth_cap = self._prior_depth(cfg.d_max, cfg.k0)
+        self.seen: set[bool] = set()  # kinds of round seen once (the first of each pays one-off costs)
+
+    def adopt(self, earlier: "CostPlanner") -> None:
+        """Start from what an earlier decoder of the same Generator and capacity learned."""
+        self.guard, self.cal, self.curve = earlier.guard, earlier.cal, earlier.curve
+        self.level_ms, self.depth_cap, self.seen = earlier.level_ms, earlier.depth_cap, earlier.seen
+
+    def share(self, other: "Planner") -> None:
+        if isinstance(other, CostPlanner):
+            self.guard = other.guard
+
+    def _warm(self, drafted: bool) -> bool:
+        """False for the first round of a kind: its time holds one-off costs, not the rate."""
+        if drafted in self.seen:
+            return True
+        self.seen.add(drafted)
+        return False
+
+    def _cost_ms(self, round_ms: float) -> float:
+        """What the round just ended cost: CPU ms since `plan` on a CPU, else the round's wall ms."""
+        return (time.process_time() * 1000.0 - self._c0) if self.cpu else round_ms
+
+    def plan(self, slots: Slots) -> RoundPlan | None:
+        self._c0 = time.process_time() * 1000.0
+        a = int(slots.active.sum())
+        if a == 0 or not self.guard.worth_drafting(a):
+            return None
+        d, k = self.shapes(slots)
+        d = np.minimum(d, self.depth_cap)
+        if d.max(initial=0) <= 0:
+            return None
+        levels, width = int(d.max()), int(k[d > 0].max())
+        m, rate = self.nodes(a, levels, width)
+        if rate < VETO * a / self.costs.cost(self.capacity) and not self.guard.probing(a):
+            return None  # the model expects a clear loss: a plain step (the guard still probes now and then)
+        return RoundPlan(levels, width, m, d, k, np.where(d > 0, m, 0))
+
+    def _prior_rate(self, levels: int, nodes: int, width: int) -> float:
+        """Modelled tokens per ms of a full batch before any drafted round: a chain-like tree whose
+        j-th level is accepted with probability PRIOR ** j."""
+        c = self.capacity
+        expected = c * sum(PRIOR ** j for j in range(1, min(levels, nodes) + 1))
+        return (c + expected) / (self.costs.cost(c * (1 + nodes)) + levels * self._level_cost(c, width))
+
+    def _prior_depth(self, d_max: int, width: int) -> int:
+        """The first rounds' depth cap: the best depth under the prior on this device (a
+        flat verify: deep; a steep one, e.g. a large batch on a CPU: one or two levels)."""
+        return max(range(1, d_max + 1), key=lambda d: self._prior_rate(d, bucket(d), width))
+
+    def _level_cost(self, a: int, width: int) -> float:
+        if self.level_ms is not None:
+            return self.level_ms
+        return self.costs.draft_cost(self.capacity * width)
+
+    def nodes(self, a: int, levels: int, width: int) -> tuple[int, float]:
+        """M, the width bucket with the best modelled rate for `a` slots, and that rate (tokens
+        per ms; infinite before any drafted round: nothing known yet)."""
+        hi = min(self.cfg.n_max, levels * width if levels > 1 else width)
+        if self.curve is None:  # first drafted rounds: the prior's best width for this depth
+            return max((w for w in WIDTHS if w <= max(hi, 1)), key=lambda m: self._prior_rate(levels, m, width)), \
+                float("inf")
+        draft = levels * self._level_cost(a, width)
+        best, best_rate = 1, -1.0
+        for m in (w for w in WIDTHS if w <= max(hi, 1)):
+            expected = a * self.cal * self.curve[min(m, len(self.curve) - 1)]
+            rate = (a + expected) / (self.costs.cost(self.capacity * (1 + m)) + draft)
+            if rate > best_rate:
+                best, best_rate = m, rate
+        return best, best_rate
+
+    def observe(self, plan: RoundPlan, outcome: RoundOutcome, slots: int, round_ms: float, draft_ms: float) -> None:
+        accepted = float(outcome.accepted.sum())
+        cost = self._cost_ms(round_ms)
+        if not self._warm(True):
+            return
+        draft_ms *= cost / max(round_ms, 1e-6)  # the draft share of the round, on the same clock
+        self.guard.observe_round(slots, True, cost, slots + int(accepted))
+        predicted = float(outcome.level_conf[1:].sum())
+        if predicted > 0:
+            self.cal += EMA * (accepted / predicted - self.cal)
+        self.curve = outcome.curve / max(slots, 1)
+        per_level = draft_ms / plan.levels
+        self.level_ms = per_level if self.level_ms is None else self.level_ms + EMA * (per_level - self.level_ms)
+        price = self.costs.cost(self.capacity) / max(slots, 1)  # ms of one token from a plain step
+        pays = self.cal * outcome.level_conf[1 : plan.levels + 1] * price >= self.level_ms
+        fail = np.flatnonzero(~pays)
+        self.depth_cap = min(plan.levels + 1, self.cfg.d_max) if fail.size == 0 else max(1, int(fail[0]))
+
+    def plain_ahead(self, slots: int, rounds: int) -> bool:
+        return self.guard.plain_ahead(slots, rounds)
+
+    def observe_plain(self, slots: int, round_ms: float) -> None:
+        cost = self._cost_ms(round_ms)
+        if self._warm(False):
+            self.guard.observe_round(slots, False, cost, slots)
+
+
+def planner_for(config: DecodeConfig, n_tokens: int, grid: AdaptiveGrid | None, costs: CostTable | None,
+                capacity: int) -> Planner:
+    """The method's planner, picked once."""
+    if config.method == "ar":
+        return Planner(n_tokens)
+    if config.method == "eagle2":
+        return EaglePlanner(n_tokens, config)
+    if config.method == "static":
+        return StaticPlanner(n_tokens, config)
+    if config.adaptive.budget == "cost":
+        return CostPlanner(n_tokens, config.adaptive, grid, costs, capacity, cpu=config.device == "cpu")
+    return ShapePlanner(n_tokens, config.adaptive, grid)

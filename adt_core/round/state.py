@@ -1,0 +1,114 @@
+"""The typed state of one decoding round over every slot (image in flight).
+
+C = slots (the engine's capacity), R = C x cfg rows (cond rows, then uncond rows), N = image
+tokens per image, V = vocabulary. Device tensors carry whole-batch work; the host keeps what the
+round's plan needs (counts, shapes), updated from the ONE read per round (`RoundOutcome`).
+
+Vocabulary: the ROOT of a slot's tree is its last committed token (image index n - 1, not yet in
+the target's cache); drafted nodes hang below it; a round commits the accepted drafted tokens
+plus one bonus token (see adt_core/round/verify.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Slots:
+    """Every slot's committed tokens; free slots have count 0."""
+
+    tokens: torch.Tensor  # (C, N + 1) long, device: committed tokens; column N is a write sink
+    count: torch.Tensor  # (C,) long, device: committed tokens per slot
+    seeds: torch.Tensor  # (C,) long, device: each image's seed (coupled noise)
+    host_count: np.ndarray  # (C,) int64: the same counts on the host
+    active: np.ndarray  # (C,) bool: slot holds an image
+    gens: list[torch.Generator | None]  # per slot: the rejection sampler's randomness
+
+    @classmethod
+    def empty(cls, capacity: int, n_tokens: int, device: torch.device) -> "Slots":
+        z = lambda *s: torch.zeros(*s, dtype=torch.long, device=device)  # noqa: E731
+        return cls(z(capacity, n_tokens + 1), z(capacity), z(capacity), np.zeros(capacity, np.int64),
+                   np.zeros(capacity, bool), [None] * capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self.count.numel()
+
+    @property
+    def sink(self) -> int:
+        return self.tokens.shape[1] - 1
+
+    def roots(self) -> torch.Tensor:
+        """(C,) each slot's last committed token (free slots: token 0)."""
+        return self.tokens.gather(1, (self.count - 1).clamp(min=0)[:, None])[:, 0]
+
+    def write(self, new: torch.Tensor, counts: torch.Tensor, host_counts: np.ndarray) -> None:
+        """Commit new (C, P) tokens: slot b takes new[b, :counts[b]] after its committed ones."""
+        j = torch.arange(new.shape[1], device=new.device)
+        cols = torch.where(j < counts[:, None], self.count[:, None] + j, self.sink)  # (C, P)
+        self.tokens.scatter_(1, cols, new)
+        self.count += counts
+        self.host_count += host_counts
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What a speculative round builds, decided on the host before it starts."""
+
+    levels: int  # D: draft levels run (>= 1)
+    width: int  # K: children per expansion and frontier size (dynamic trees)
+    nodes: int  # M: drafted nodes kept per slot; the verify forward carries 1 + M per row
+    depth: np.ndarray  # (C,) int: levels slot b may use (0: it drafts nothing this round)
+    widths: np.ndarray  # (C,) int: children slot b may use per expansion
+    budget: np.ndarray  # (C,) int: drafted nodes slot b may keep (<= M)
+
+
+@dataclass
+class CandidateBatch:
+    """Every slot's drafted candidates (the pool EAGLE-2 reranks), P per slot, padded."""
+
+    tokens: torch.Tensor  # (C, P) long
+    parents: torch.Tensor  # (C, P) long: pool index of the parent, -1 = the root
+    depths: torch.Tensor  # (C, P) long: 1 = child of the root
+    scores: torch.Tensor  # (C, P) float: cumulative path score (log confidence)
+    valid: torch.Tensor  # (C, P) bool: a real candidate (padding, masked ranks and levels: False)
+
+
+@dataclass
+class TreeBatch:
+    """Every slot's draft tree, node 0 the root, valid nodes first in breadth-first order."""
+
+    tokens: torch.Tensor  # (C, 1 + M) long
+    parents: torch.Tensor  # (C, 1 + M) long: tree index of the parent, -1 for the root and padding
+    depths: torch.Tensor  # (C, 1 + M) long: 0 = the root
+    scores: torch.Tensor  # (C, 1 + M) float: path scores (root 0)
+    valid: torch.Tensor  # (C, 1 + M) bool: root and kept nodes
+    mask: torch.Tensor  # (C, 1 + M, 1 + M) bool: [b, i, j] = j is i or an ancestor of i (padding: itself)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+
+@dataclass
+class Verified:
+    """The accepted path and the commit of every slot (device)."""
+
+    accepted: torch.Tensor  # (C,) long: accepted drafted tokens (0 for slots that drafted nothing)
+    path: torch.Tensor  # (C, D + 1) long: tree indices of root + accepted nodes, padded
+    new: torch.Tensor  # (C, D + 1) long: accepted tokens then the bonus token, padded
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What the host reads back once per speculative round."""
+
+    accepted: np.ndarray  # (C,) accepted drafted tokens
+    depth: np.ndarray  # (C,) depth of the kept tree
+    nodes: np.ndarray  # (C,) drafted nodes verified
+    level_conf: np.ndarray  # (D + 1,) summed path confidence of kept nodes per depth (all slots)
+    curve: np.ndarray  # (n_max + 1,) summed confidence of each slot's m best candidates, m = 0 .. n_max
