@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from adt_core.families.llamagen.model import LlamaGenGPT
+from adt_core.families.contract import Target
 
 SIZES = (1, 8, 16, 32, 64)
 
@@ -126,7 +126,7 @@ def _fastest_ms(fn, timer: Timer, repeats: int, warmup: int) -> float:
 
 @torch.inference_mode()
 def measure_target_cost(
-    target: LlamaGenGPT,
+    target: Target,
     rows: int = 2,
     sizes: tuple[int, ...] = SIZES,
     prefix_len: int | None = None,
@@ -136,8 +136,9 @@ def measure_target_cost(
 ) -> CostTable:
     """Time of a target forward carrying each total in `sizes`, split over up to `slots`
     slots (rows: 2 per slot with classifier-free guidance, else 1) on a cached prefix of
-    `prefix_len` (default, LlamaGen: captions plus half the image, a typical mid-image state;
-    other families pass it). Any family's target: ids up to its vocabulary size."""
+    `prefix_len` (the Generator passes its prompter's typical prompt plus half the image, a
+    typical mid-image state; default: a caption-conditioned target's config, `cls_token_num`
+    caption rows plus half its image tokens). Any family's target: ids up to its vocabulary size."""
     cfg = target.config
     dev = next(target.parameters()).device
     prefix = prefix_len if prefix_len is not None else cfg.cls_token_num + cfg.num_image_tokens // 2

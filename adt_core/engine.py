@@ -35,7 +35,6 @@ from adt_core.round.verify import Relaxation
 
 # measured target costs: model -> {(device, dtype, rows): table}; entries die with the model
 _COSTS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, CostTable]]" = weakref.WeakKeyDictionary()
-MAX_PROMPT = 512  # prompt entries per row a decoder holds when the family gives no bound
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -120,9 +119,8 @@ class Generator:
     # ---- shared steps -------------------------------------------------------------------
     def _max_prompt(self) -> int:
         """The longest prompt row a decoder must hold: the prompter's `max_prompt` (LlamaGen:
-        its T caption rows), else MAX_PROMPT."""
-        own = getattr(self.prompter, "max_prompt", None)
-        return int(own if own is not None else MAX_PROMPT)
+        its T caption rows)."""
+        return int(self.prompter.max_prompt)
 
     def _encode(self, items):
         """Prompt rows for (index, prompt, seed) items; a prompt that fails alone is dropped and
@@ -175,7 +173,7 @@ class Generator:
             self._place_models()
             sizes = batch_sizes(self.config.batch_size)
             # a typical mid-image state: LlamaGen's default, else a prompt plus half the image
-            prefix = None if self.bundle.family == "llamagen" else self._max_prompt() // 4 + self.layout.length // 2
+            prefix = int(self.prompter.typical_prompt) + self.layout.length // 2
             table = measure_target_cost(self.bundle.target, rows=self.cfg_rows, sizes=sizes, repeats=3, warmup=1,
                                         slots=self.config.batch_size, prefix_len=prefix)
             if self.bundle.drafter is not None:

@@ -207,10 +207,10 @@ def bundle_plan(bundle, config, device_bytes: int, reserve_fraction: float = 0.0
 
     Weights as Generator places them (target and drafter at config.dtype, the decoder in fp32,
     a text encoder module at its own size); per image the caches BatchDecoder allocates: each
-    cfg row holds the longest prompt (the prompter's `max_prompt`, else the engine's MAX_PROMPT),
+    cfg row holds the longest prompt (the prompter's `max_prompt`),
     every generated entry up to the last code, and the widest tree; the drafter's cache holds the
     same plus what one round feeds it. decode.batch_size caps the images in flight."""
-    from adt_core.engine import DTYPES, MAX_PROMPT
+    from adt_core.engine import DTYPES
 
     size = torch.empty((), dtype=DTYPES[config.dtype]).element_size()
     weights = {"target": _numel(bundle.target) * size}
@@ -223,7 +223,7 @@ def bundle_plan(bundle, config, device_bytes: int, reserve_fraction: float = 0.0
     prompter = bundle.make_prompter()
     layout = prompter.layout
     n = layout.num_codes if config.max_tokens is None else min(config.max_tokens, layout.num_codes)
-    base = getattr(prompter, "max_prompt", None) or MAX_PROMPT
+    base = prompter.max_prompt
     span = int(layout.offset(n - 1)) + 1
     widest, fed = tree_extent(config) if bundle.drafter is not None else (0, 0)  # no drafter: plain steps
     spec = widest > 0

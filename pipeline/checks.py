@@ -66,20 +66,6 @@ def _missing_module(err: BaseException) -> str:
     return name.split(".")[0]
 
 
-def _check_text_encoder(spec: dict) -> None:
-    """What building this text encoder imports, without loading weights from a remote path."""
-    kind = spec.get("type")
-    if kind == "minilm":
-        from adt_core.families.llamagen.minilm import bundled_model_dir
-
-        if spec.get("model_dir") is None:
-            bundled_model_dir()
-        import transformers  # noqa: F401
-    elif kind == "t5":
-        import transformers  # noqa: F401
-        from transformers import T5EncoderModel  # noqa: F401
-
-
 def _dir_bytes(path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -101,7 +87,8 @@ def check_bundle(cfg: JobConfig):
         with torch.random.fork_rng(devices=[]):  # random_bundle seeds torch: not this process's RNG
             return random_bundle(seed=int(cfg.bundle.partition(":")[2] or 0))
     from adt_core import load_bundle
-    from adt_core.bundles.bundle import resolve_bundle_dir
+    from adt_core.bundles.bundle import check_text_encoder, resolve_bundle_dir
+    from adt_core.bundles.loader import own_layout
 
     try:
         path = resolve_bundle_dir(cfg.bundle)
@@ -112,17 +99,17 @@ def check_bundle(cfg: JobConfig):
             return load_bundle(path)
         if path.is_dir():
             meta = json.loads((path / "bundle.json").read_text())
-            if meta.get("family", "llamagen") != "llamagen":
+            if own_layout(meta):
                 from adt_core.bundles.family_bundle import load_family_bundle
 
                 return load_family_bundle(path, meta, device="meta")
-            _check_text_encoder(meta["text_encoder"])
+            check_text_encoder(meta["text_encoder"])
         else:
             from adt_core.bundles.loader import read_any_manifest
 
             m = read_any_manifest(path)
             if getattr(m, "text_encoder", None):
-                _check_text_encoder(m.text_encoder)
+                check_text_encoder(m.text_encoder)
     except ImportError as e:
         mod = _missing_module(e)
         hint = INSTALL_HINTS.get(mod, f"pip install {mod}" if mod else "reinstall the project's dependencies")

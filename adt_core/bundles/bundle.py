@@ -94,6 +94,20 @@ def build_text_encoder(spec: dict) -> TextEncoder:
     raise ValueError(f"unknown text encoder type {kind!r} (expected 'hash', 'minilm' or 't5')")
 
 
+def check_text_encoder(spec: dict) -> None:
+    """What building this text encoder imports, without loading weights from a remote path."""
+    kind = spec.get("type")
+    if kind == "minilm":
+        from adt_core.families.llamagen.minilm import bundled_model_dir
+
+        if spec.get("model_dir") is None:
+            bundled_model_dir()
+        import transformers  # noqa: F401
+    elif kind == "t5":
+        import transformers  # noqa: F401
+        from transformers import T5EncoderModel  # noqa: F401
+
+
 def random_bundle(
     seed: int = 0,
     vocab: int = 64,

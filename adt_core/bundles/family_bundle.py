@@ -21,7 +21,7 @@ import torch
 
 from adt_core.bundles.bundle import Bundle
 from adt_core.config import SamplingConfig
-from adt_core.families.contract import get_family
+from adt_core.families.registry import get_family
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

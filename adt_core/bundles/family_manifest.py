@@ -36,7 +36,7 @@ from adt_core.bundles.family_bundle import DTYPES, build_family_bundle
 from adt_core.bundles.manifest import _check_sha_field, _expand
 from adt_core.bundles.sources import ManifestError
 from adt_core.config import SamplingConfig
-from adt_core.families.contract import get_family
+from adt_core.families.registry import get_family
 
 PARTS = ("target", "drafter", "vq", "tokenizer", "neighbours")
 TOP_LEVEL = {"name", "family", *PARTS, "prompt", "grid", "sampling", "dtype", "cache_dir", "license"}

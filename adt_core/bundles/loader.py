@@ -19,6 +19,12 @@ from adt_core.bundles.family_manifest import load_family_manifest, manifest_fami
 from adt_core.bundles.manifest import load_manifest_bundle, read_manifest
 
 
+def own_layout(meta: dict) -> bool:
+    """Whether a bundle.json names a family with its own published layouts (one without
+    `family` is LlamaGen's own format)."""
+    return meta.get("family", "llamagen") != "llamagen"
+
+
 def read_any_manifest(path: str | os.PathLike):
     """Parse and validate a manifest of any family (nothing fetched)."""
     return read_manifest(path) if manifest_family(path) == "llamagen" else read_family_manifest(path)
@@ -40,6 +46,6 @@ def load_bundle(name_or_path: str | Path = DEFAULT_BUNDLE, device: str = "cpu") 
     if path.is_file():
         return load_any_manifest(path, device=device)
     meta = json.loads((path / "bundle.json").read_text())
-    if meta.get("family", "llamagen") != "llamagen":  # another family's parts, in their own layouts
+    if own_layout(meta):  # another family's parts, in their own layouts
         return load_family_bundle(path, meta, device=device)
     return load_bundle_dir(path)

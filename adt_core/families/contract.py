@@ -1,6 +1,7 @@
 """The model contract: what the engine knows of a model family, and no more.
 
-A family (LlamaGen, Chameleon, later Janus) supplies five things behind small interfaces:
+A family (LlamaGen, Chameleon, Janus: adt_core/families/registry.py) supplies these behind small
+interfaces:
 
     Prompter   prompts -> PromptRows (cond rows, then uncond rows with CFG), its Layout, its ImageVocab
     Layout     image index i -> offset in the generated sequence; forced tokens; image (row, col) of i
@@ -23,9 +24,8 @@ The engine works in image-index and code space only: it turns codes into input i
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -218,6 +218,8 @@ def token_rows(rows: Sequence[Sequence[int]], images: int, pad_id: int = 0) -> P
 class Prompter(Protocol):
     layout: Layout
     vocab: ImageVocab
+    max_prompt: int  # the longest prompt row (entries before image index 0): sizes the decoder's cache
+    typical_prompt: int  # a typical prompt row's entries: the cost table's mid-image state
 
     def rows(self, prompts: Sequence[str], cfg: bool) -> PromptRows: ...
 
@@ -259,49 +261,3 @@ class Decoder(Protocol):
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """codes (B, H, W) long -> uint8 images (B, H*f, W*f, 3)."""
         ...
-
-
-# ---- registry -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Family:
-    """How to load each part of a family from files (paths are local directories or files)."""
-
-    name: str
-    load_target: Callable[..., Target]  # (path, dtype=, device=) -> Target
-    load_drafter: Callable[..., Drafter]  # (path, target, dtype=, device=) -> Drafter
-    load_decoder: Callable[..., Decoder]  # (path, device=) -> Decoder
-    load_prompter: Callable[..., Prompter]  # (path, **layout options) -> Prompter
-
-
-def _chameleon() -> Family:
-    from adt_core.families.chameleon import model as chameleon
-    from adt_core.families.chameleon import drafter as chameleon_drafter
-    from adt_core.families.chameleon import prompt as chameleon_prompt
-    from adt_core.families.chameleon import vq as chameleon_vq
-
-    return Family("chameleon", chameleon.load_chameleon, chameleon_drafter.load_chameleon_drafter,
-                  chameleon_vq.load_chameleon_vq, chameleon_prompt.load_prompter)
-
-
-# name -> a zero-argument factory, or "module:attribute" naming a Family (imported on first use,
-# so that this module imports no family and families may import it)
-_FAMILIES: dict[str, Callable[[], Family] | str] = {"chameleon": _chameleon,
-                                                    "janus": "adt_core.families.janus.drafter:FAMILY"}
-
-
-def register_family(name: str, factory: Callable[[], Family] | str) -> None:
-    _FAMILIES[name] = factory
-
-
-def family_names() -> list[str]:
-    return sorted(_FAMILIES)
-
-
-def get_family(name: str) -> Family:
-    if name not in _FAMILIES:
-        raise KeyError(f"unknown model family {name!r}; known: {', '.join(family_names())}")
-    factory = _FAMILIES[name]
-    if isinstance(factory, str):
-        module, attr = factory.split(":")
-        return getattr(importlib.import_module(module), attr)
-    return factory()

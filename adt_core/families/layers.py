@@ -1,4 +1,7 @@
-"""2-D rotary position embedding as LlamaGen uses it for text-to-image.
+"""Layers the families share: RMSNorm, the SwiGLU MLP, 1-D rotate-half RoPE (Chameleon, Janus)
+and LlamaGen's 2-D RoPE.
+
+2-D rotary position embedding as LlamaGen uses it for text-to-image.
 
 Sequence layout: `cls_len` caption positions, then image tokens in raster order. Image token k
 sits at grid (k // W, k % W) and rotates its head_dim/2 interleaved pairs by the angles
@@ -9,6 +12,8 @@ Caption positions get cos = sin = 0 (not the identity), so their q and k are exa
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 
 def build_rope_cache(grid_h: int, grid_w: int, cls_len: int, head_dim: int, base: float = 10000.0) -> torch.Tensor:
@@ -54,3 +59,44 @@ class RopeTable:
         if dev not in self._on:
             self._on[dev] = self.table.to(dev)
         return self._on[dev][positions]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, cast back, then scaled."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # in fp32, as LlamaGen
+        return normed.type_as(x) * self.weight
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions (R, S) -> cos, sin (R, S, 1, head_dim) fp32 for rotate-half RoPE."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=positions.device) / head_dim))
+    freqs = positions[..., None].float() * inv  # (R, S, hd/2)
+    emb = torch.cat([freqs, freqs], dim=-1)[:, :, None]  # (R, S, 1, hd)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (R, S, heads, hd): pairs (j, j + hd/2) rotate together (rotate-half), in fp32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).type_as(x)

@@ -20,12 +20,15 @@ e = codebook_embed_dim; z = z_channels; images are in [-1, 1] as float, or uint8
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from adt_core.families.weights import CheckpointError, key_list
 
 GROUPS = 32  # GroupNorm groups everywhere (channel counts must be multiples of 32)
 NORM_EPS = 1e-6
@@ -410,3 +413,24 @@ def from_pretrained(directory, dtype: torch.dtype = torch.float32,
     model = VQModel(cfg)
     model.load_state_dict(load_file(str(d / WEIGHTS_FILE)), strict=True)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def infer_vq_config(state: Mapping[str, torch.Tensor], source: str = "checkpoint") -> VQConfig:
+    """A VQConfig from a LlamaGen VQ state dict's shapes (VQ-16: 16384 x 8, ch 128, [1,1,2,2,4])."""
+    need = ["quantize.embedding.weight", "quant_conv.weight", "encoder.conv_in.weight"]
+    absent = [k for k in need if k not in state]
+    if absent:
+        raise CheckpointError(f"{source}: not a LlamaGen VQ state dict, missing keys: {key_list(absent)}")
+    size, e = state["quantize.embedding.weight"].shape
+    ch = state["encoder.conv_in.weight"].shape[0]
+    z = state["quant_conv.weight"].shape[1]
+    levels = sorted({int(m.group(1)) for k in state if (m := re.match(r"encoder\.conv_blocks\.(\d+)\.", k))})
+    mult = []
+    for i in levels:
+        w = state.get(f"encoder.conv_blocks.{i}.res.0.conv1.weight")
+        if w is None:
+            raise CheckpointError(f"{source}: missing key encoder.conv_blocks.{i}.res.0.conv1.weight")
+        mult.append(int(w.shape[0]) // int(ch))
+    n_res = len({int(m.group(1)) for k in state if (m := re.match(r"encoder\.conv_blocks\.0\.res\.(\d+)\.", k))})
+    return VQConfig(codebook_size=int(size), codebook_embed_dim=int(e), z_channels=int(z), ch=int(ch),
+                    ch_mult=tuple(mult), num_res_blocks=n_res)

@@ -36,7 +36,6 @@ from adt_core.bundles.bundle import Bundle
 from adt_core.calibrate import CostTable, Timer
 from adt_core.config import DecodeConfig
 from adt_core.families.contract import Layout, PromptRows
-from adt_core.families.llamagen.prompt import caption_rows
 from adt_core.results import StepStats
 from adt_core.round.adaptive import AdaptiveGrid
 from adt_core.round.draft import BatchDrafter, DraftScorer, StaticLevels
@@ -173,16 +172,12 @@ class BatchDecoder:
         return (1 - a / self.capacity) * left > HOLD * self.n
 
     @torch.inference_mode()
-    def admit(self, items: list[tuple[int, str, int]], rows: PromptRows | torch.Tensor,
-              cmask: torch.Tensor | None = None) -> list[Finished]:
+    def admit(self, items: list[tuple[int, str, int]], rows: PromptRows) -> list[Finished]:
         """Prefill `items` (index, prompt, seed) into free slots from their PromptRows (cond rows,
-        then uncond rows with CFG; or LlamaGen's encoded captions (n, T, C) with their mask
-        (n, T)); returns those already finished (one-token images)."""
+        then uncond rows with CFG); returns those already finished (one-token images)."""
         s, setup, dev = self.slots, self.s, self.s.device
         t0 = setup.timer.now()
         n = len(items)
-        if not isinstance(rows, PromptRows):
-            rows = caption_rows(setup.bundle.target, rows, cmask, self.r == 2)
         if rows.images != n or rows.rows != self.r * n:
             raise ValueError(f"{rows.rows} prompt rows for {n} images with {self.r} rows each")
         lengths = rows.lengths.cpu().numpy().astype(np.int64)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from adt_core.config import SamplingConfig
-from adt_core.families.llamagen.drafter import Drafter
+from adt_core.families.contract import Drafter
 from adt_core.kv_cache import KVCache
 from adt_core.round.sampling import cfg_mix, warp
 from adt_core.round.state import CandidateBatch, RoundPlan, Slots

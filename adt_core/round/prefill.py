@@ -6,9 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from adt_core.bundles.bundle import Bundle
 from adt_core.families.contract import PromptRows
-from adt_core.families.llamagen.prompt import caption_rows
 
 
 def prefill_rows(target, rows: PromptRows, cache, lengths: np.ndarray | None = None):
@@ -30,8 +28,3 @@ def prefill_rows(target, rows: PromptRows, cache, lengths: np.ndarray | None = N
     at = torch.from_numpy(lengths - 1).to(dev)
     return logits[torch.arange(logits.shape[0], device=dev), at], hidden
 
-
-def prefill(bundle: Bundle, captions: torch.Tensor, cmask: torch.Tensor, cache, cfg_rows: int):
-    """LlamaGen's caption rows (cond, then uncond with CFG) into `cache`; returns logits (R, V)
-    at the last position and hidden (R, T, dim)."""
-    return prefill_rows(bundle.target, caption_rows(bundle.target, captions, cmask, cfg_rows == 2), cache)

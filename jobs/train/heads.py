@@ -102,14 +102,15 @@ JANUS = HeadType(
 )
 
 HEADS: dict[str, HeadType] = {"llamagen": LLAMAGEN, "janus": JANUS}
+# a family's declared `train_head` kind -> its HEADS entry
+HEAD_KINDS = {"captions": "llamagen", "tokens": "janus"}
 
 
 def family_of(bundle) -> str:
-    """'llamagen' for a LlamaGen target, the bundle's family for another family's bundle, else the
-    target's class name (a family without a head here)."""
-    from adt_core.families.llamagen.model import LlamaGenGPT
+    """The HEADS entry of a bundle's family: the head type its registry entry declares
+    (adt_core/families/<name>/family.py `train_head`), else the family's name (refused: no head)."""
+    from adt_core.families.registry import get_family
 
-    if isinstance(bundle.target, LlamaGenGPT):
-        return "llamagen"
     family = getattr(bundle, "family", "llamagen")
-    return family if family != "llamagen" else type(bundle.target).__name__
+    head = get_family(family).train_head
+    return HEAD_KINDS.get(head, family)

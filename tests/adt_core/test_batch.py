@@ -6,7 +6,7 @@ import torch
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, TreeConfig, random_bundle
 from adt_core.calibrate import CostTable
 from adt_core.results import PromptFailure
-from adt_core.round.prefill import prefill
+from adt_core.round.prefill import prefill_rows
 
 PROMPTS = ["a red apple", "blue dog on grass", "sun", "green frog jumping high", "x y z"]
 SEEDS = [3, 14, 15, 92, 65]
@@ -90,9 +90,8 @@ def test_a_failing_prompt_fails_alone():
 
 def fresh_cache_rows(g, prompt, committed):
     """A single-image cache holding captions + committed[:-1] (the root is not cached yet)."""
-    cap, cmask = g.bundle.text_encoder.encode([prompt])
     cache = g.bundle.target.new_cache(g.cfg_rows, g.bundle.target.config.cls_token_num + len(committed))
-    prefill(g.bundle, cap, cmask, cache, g.cfg_rows)
+    prefill_rows(g.bundle.target, g.prompter.rows([prompt], g.cfg_rows == 2), cache)
     t = cache.length
     toks = torch.tensor(committed[:-1])[None].repeat(g.cfg_rows, 1)
     if toks.shape[1]:
@@ -116,8 +115,7 @@ def test_ragged_cache_rows_hold_exactly_the_committed_prefix(method, cfg_scale):
             free = len(dec.free())
             if queue and free:
                 items, queue = queue[:free], queue[free:]
-                cap, cmask = bundle.text_encoder.encode([p for _, p, _ in items])
-                done += len(dec.admit(items, cap, cmask))
+                done += len(dec.admit(items, g.prompter.rows([p for _, p, _ in items], g.cfg_rows == 2)))
             done += len(dec.step())
             rounds += 1
             assert dec.cache.nbytes() == nbytes  # preallocated once: no growth with rounds

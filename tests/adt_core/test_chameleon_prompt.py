@@ -7,7 +7,8 @@ import torch
 from adt_core.families.chameleon.prompt import (
     LuminaPrompter, check_lumina_size, image_code_of, load_prompter, load_tokenizer, lumina_sizes,
 )
-from adt_core.families.contract import ImageVocab, Layout, Prompter, get_family
+from adt_core.families.contract import ImageVocab, Layout, Prompter
+from adt_core.families.registry import get_family
 from chameleon_fixtures import image_token_name, make_tokenizer
 
 

@@ -28,6 +28,7 @@ class RaggedPrompter:
     def __init__(self, bundle, keep: int) -> None:
         self.inner = LlamaGenPrompter(bundle.text_encoder, bundle.target, bundle.grid)
         self.layout, self.vocab, self.max_prompt = self.inner.layout, self.inner.vocab, self.inner.max_prompt
+        self.typical_prompt = self.inner.typical_prompt
         self.keep = keep
 
     def rows(self, prompts, cfg):

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from adt_core.families.contract import Target, get_family
+from adt_core.families.contract import Target
+from adt_core.families.registry import get_family
 from adt_core.families.janus.model import JanusConfig, JanusTarget
 from adt_core.families.janus.weights import expected_shapes, load_janus, to_hf_name
 from adt_core.families.weights import CheckpointError

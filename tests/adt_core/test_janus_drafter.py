@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from adt_core.families.contract import Drafter, get_family
+from adt_core.families.contract import Drafter
+from adt_core.families.registry import get_family
 from adt_core.families.janus.model import JanusConfig, JanusTarget
 from adt_core.families.weights import CheckpointError
 from adt_core.families.janus.drafter import (
@@ -59,7 +60,7 @@ def test_random_drafter_runs_on_the_targets_input_path_and_head(target):
 
     # its token embedding is exactly gen_aligner(gen_embed(code))
     x = drafter.fc(torch.cat([target.gen_aligner(target.gen_embed(codes)), hidden], dim=-1))
-    from adt_core.families.chameleon.model import rope_cos_sin
+    from adt_core.families.layers import rope_cos_sin
 
     ref = drafter.layers[0](x, rope_cos_sin(positions, 16, TINY.rope_theta), causal, None, 0)
     torch.testing.assert_close(feats, ref)

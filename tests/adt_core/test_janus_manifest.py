@@ -11,7 +11,7 @@ import yaml
 from adt_core.bundles.hub import is_directory
 from adt_core.bundles.sources import split_hf
 from adt_core.config import SamplingConfig
-from adt_core.families.contract import get_family
+from adt_core.families.registry import get_family
 from adt_core.families.janus.prompt import JANUS_SAMPLING
 from janus_fixtures import GRID, TEXT_VOCAB, make_hf_janus, make_tokenizer, save_published
 

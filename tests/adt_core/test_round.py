@@ -41,9 +41,9 @@ def decoder(bundle, method, slots, plain=False, **kw):
     elif hasattr(dec.planner, "guard"):
         dec.planner.guard.worth_drafting = lambda a: True  # the budget drafts every round
     items = [(i, f"prompt {i}", i) for i in range(slots)]
-    cap, cmask = bundle.text_encoder.encode([p for _, p, _ in items])
+    rows = g.prompter.rows([p for _, p, _ in items], g.cfg_rows == 2)
     with torch.inference_mode():
-        dec.admit(items, cap, cmask)
+        dec.admit(items, rows)
         dec.step()  # past first-round effects
     return dec
 

@@ -30,8 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from adt_core.families.contract import ImageVocab
-from adt_core.families.llamagen.drafter import MLP
-from adt_core.families.llamagen.model import RMSNorm
+from adt_core.families.layers import MLP, RMSNorm, apply_rotate_half as apply_rope, rope_cos_sin
 from adt_core.families.weights import CheckpointError, check_state
 from adt_core.kv_cache import KVCache
 
@@ -128,21 +127,6 @@ class ChameleonConfig:
 
 
 # ---- modules ------------------------------------------------------------------------------
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions (R, S) -> cos, sin (R, S, 1, head_dim) fp32 for rotate-half RoPE."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=positions.device) / head_dim))
-    freqs = positions[..., None].float() * inv  # (R, S, hd/2)
-    emb = torch.cat([freqs, freqs], dim=-1)[:, :, None]  # (R, S, 1, hd)
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (R, S, heads, hd): pairs (j, j + hd/2) rotate together (rotate-half), in fp32."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).type_as(x)
-
-
 class QKNorm(nn.Module):
     """LayerNorm over head_dim per head, with a [g, head_dim] weight and bias shared by groups
     of heads // g consecutive heads (g = heads: one per head)."""

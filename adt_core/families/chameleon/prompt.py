@@ -163,6 +163,11 @@ class LuminaPrompter:
     def uncond_ids(self) -> list[int]:
         return list(self.layout.head)
 
+    @property
+    def typical_prompt(self) -> int:
+        """A typical prompt row: a quarter of the longest (the cost table's mid-image state)."""
+        return self.max_prompt // 4
+
     def rows(self, prompts: Sequence[str], cfg: bool) -> PromptRows:
         return _rows(self, prompts, cfg)
 
@@ -188,6 +193,11 @@ class AnolePrompter:
 
     def uncond_ids(self) -> list[int]:
         return [self.tokenizer.ids["bos"], *self.layout.head]
+
+    @property
+    def typical_prompt(self) -> int:
+        """A typical prompt row: a quarter of the longest (the cost table's mid-image state)."""
+        return self.max_prompt // 4
 
     def rows(self, prompts: Sequence[str], cfg: bool) -> PromptRows:
         return _rows(self, prompts, cfg)

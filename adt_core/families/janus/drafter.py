@@ -20,8 +20,6 @@ DIR/model.safetensors with exactly 10 tensors:
     fc.weight [H, 2H]   fc.bias [H]   layers.0.self_attn.{q,k,v,o}_proj.weight
     layers.0.mlp.{gate,up,down}_proj.weight   layers.0.post_attention_layernorm.weight [H]
 
-`FAMILY` is the "janus" entry of adt_core.families.contract's registry (this module is the one
-that sees all four parts).
 """
 
 from __future__ import annotations
@@ -34,11 +32,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from adt_core.families.chameleon.model import rope_cos_sin
-from adt_core.families.contract import Family
-from adt_core.families.janus import prompt as janus_prompt
+from adt_core.families.layers import rope_cos_sin
 from adt_core.families.janus.model import DecoderLayer, JanusConfig, JanusTarget
-from adt_core.families.janus.weights import load_janus, load_janus_vq
 from adt_core.families.weights import CheckpointError, check_state
 from adt_core.kv_cache import KVCache
 
@@ -179,5 +174,3 @@ def load_janus_drafter(path: str | Path, target: JanusTarget | None = None, dtyp
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
     return model.to(device).eval()
 
-
-FAMILY = Family("janus", load_janus, load_janus_drafter, load_janus_vq, janus_prompt.load_prompter)

@@ -28,10 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adt_core.families.chameleon.model import apply_rope, rope_cos_sin
 from adt_core.families.contract import ImageVocab
-from adt_core.families.llamagen.drafter import MLP
-from adt_core.families.llamagen.model import RMSNorm
+from adt_core.families.layers import MLP, RMSNorm, apply_rotate_half as apply_rope, rope_cos_sin
 from adt_core.families.vqgan import VQModel
 from adt_core.families.weights import CheckpointError
 from adt_core.kv_cache import KVCache

@@ -162,6 +162,11 @@ class JanusPrompter:
         ids = self.tokenizer.ids
         return [ids["bos"], *[ids["pad"]] * (len(cond) - 1 - len(self.layout.head)), *self.layout.head]
 
+    @property
+    def typical_prompt(self) -> int:
+        """A typical prompt row: a quarter of the longest (the cost table's mid-image state)."""
+        return self.max_prompt // 4
+
     def rows(self, prompts: Sequence[str], cfg: bool) -> PromptRows:
         """Cond rows, then (cfg) uncond rows of the same lengths; every entry valid (attended)."""
         if not prompts:

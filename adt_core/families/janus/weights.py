@@ -27,8 +27,7 @@ from typing import Iterable, Mapping
 import torch
 
 from adt_core.families.janus.model import JanusConfig, JanusTarget, JanusVQ
-from adt_core.families.llamagen.weights import infer_vq_config
-from adt_core.families.vqgan import USAGE_WINDOW
+from adt_core.families.vqgan import USAGE_WINDOW, infer_vq_config
 from adt_core.families.weights import CheckpointError, check_state, torch_load
 
 PUBLISHED, HF = "published", "transformers"

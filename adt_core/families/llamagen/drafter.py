@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adt_core.families.layers import RopeTable, apply_rope
-from adt_core.families.llamagen.model import RMSNorm
+from adt_core.families.layers import MLP, RopeTable, apply_rope  # noqa: F401 - MLP re-exported
+from adt_core.families.layers import RMSNorm
 from adt_core.kv_cache import KVCache
 
 
@@ -75,17 +75,6 @@ class SelfAttention(nn.Module):
             k, v = cache.write(0, k, v)  # (B, heads, length + S, hd)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DrafterLayer(nn.Module):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adt_core.families.layers import RopeTable, apply_rope
+from adt_core.families.layers import RMSNorm, RopeTable, apply_rope
 from adt_core.kv_cache import KVCache
 
 
@@ -64,17 +64,6 @@ class GPTConfig:
         dims = {"B": (768, 12, 12), "L": (1024, 24, 16), "XL": (1280, 36, 20), "XXL": (1536, 48, 24)}
         dim, n_layer, n_head = dims[size]
         return cls(dim=dim, n_layer=n_layer, n_head=n_head, grid_h=grid, grid_w=grid, **kw)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # in fp32, as LlamaGen
-        return normed.type_as(x) * self.weight
 
 
 class CaptionMLP(nn.Module):

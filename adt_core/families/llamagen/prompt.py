@@ -57,6 +57,7 @@ class LlamaGenPrompter:
         self.layout = Layout(int(self.grid[0]), int(self.grid[1]))
         self.vocab = llamagen_vocab(tc.vocab_size)
         self.max_prompt = tc.cls_token_num  # every row is T caption entries
+        self.typical_prompt = tc.cls_token_num
 
     def rows(self, prompts: Sequence[str], cfg: bool) -> PromptRows:
         captions, cmask = self.text_encoder.encode(list(prompts))

@@ -36,7 +36,7 @@ from adt_core.families.weights import (
 )
 from adt_core.families.layers import RopeTable
 from adt_core.families.llamagen.model import GPTConfig, LlamaGenGPT
-from adt_core.families.vqgan import VQConfig, VQModel
+from adt_core.families.vqgan import VQConfig, VQModel, infer_vq_config  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
@@ -268,27 +268,6 @@ def _config_grid(config: Mapping[str, Any]) -> int | None:
 
 
 # ---- LlamaGen VQ -------------------------------------------------------------------------
-def infer_vq_config(state: Mapping[str, torch.Tensor], source: str = "checkpoint") -> VQConfig:
-    """A VQConfig from a LlamaGen VQ state dict's shapes (VQ-16: 16384 x 8, ch 128, [1,1,2,2,4])."""
-    need = ["quantize.embedding.weight", "quant_conv.weight", "encoder.conv_in.weight"]
-    absent = [k for k in need if k not in state]
-    if absent:
-        raise CheckpointError(f"{source}: not a LlamaGen VQ state dict, missing keys: {key_list(absent)}")
-    size, e = state["quantize.embedding.weight"].shape
-    ch = state["encoder.conv_in.weight"].shape[0]
-    z = state["quant_conv.weight"].shape[1]
-    levels = sorted({int(m.group(1)) for k in state if (m := re.match(r"encoder\.conv_blocks\.(\d+)\.", k))})
-    mult = []
-    for i in levels:
-        w = state.get(f"encoder.conv_blocks.{i}.res.0.conv1.weight")
-        if w is None:
-            raise CheckpointError(f"{source}: missing key encoder.conv_blocks.{i}.res.0.conv1.weight")
-        mult.append(int(w.shape[0]) // int(ch))
-    n_res = len({int(m.group(1)) for k in state if (m := re.match(r"encoder\.conv_blocks\.0\.res\.(\d+)\.", k))})
-    return VQConfig(codebook_size=int(size), codebook_embed_dim=int(e), z_channels=int(z), ch=int(ch),
-                    ch_mult=tuple(mult), num_res_blocks=n_res)
-
-
 def load_vq(path: str | Path, config: VQConfig | None = None, dtype: torch.dtype = torch.float32) -> VQModel:
     """Load a LlamaGen VQ tokenizer (vq_ds16_t2i.pt, or a directory written by vq.save_pretrained),
     strictly: every key of VQModel present with its shape, including quantize.codebook_used."""
