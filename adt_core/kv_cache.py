@@ -166,14 +166,6 @@ class KVCache:
         return mask
 
     # ---- compaction ---------------------------------------------------------------------
-    def keep(self, start: int, idx: torch.Tensor) -> None:
-        """Uniform rows: keep only slots start + idx (ascending) after `start`, compacted in place."""
-        n = idx.numel()
-        src = start + idx.to(self.k.device)
-        self.k[:, :, :, start : start + n] = self.k.index_select(3, src)
-        self.v[:, :, :, start : start + n] = self.v.index_select(3, src)
-        self.truncate(start + n)
-
     def keep_rows(self, start: np.ndarray, idx: torch.Tensor, counts: np.ndarray) -> None:
         """Per row r keep slots start[r] + idx[r, :counts[r]] (ascending), compacted to
         start[r] .. start[r] + counts[r]. start, counts (R,) on the host; idx (R, m) on the device,

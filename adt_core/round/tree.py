@@ -55,10 +55,6 @@ class DraftTree:
     def leaf_paths(self) -> list[list[int]]:
         return leaf_paths(self.parents)
 
-    @classmethod
-    def root_only(cls, token: int, position: int, device=None) -> "DraftTree":
-        z = torch.zeros(1, dtype=torch.long, device=device)
-        return cls(torch.full((1,), token, dtype=torch.long, device=device), z - 1, z, z.float(), position)
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
@@ -97,11 +93,6 @@ def leaf_paths(parents: torch.Tensor) -> list[list[int]]:
             i = par[i]
         paths.append(path[::-1])
     return paths
-
-
-def top_frontier(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k best candidates of one level (EAGLE-2: these get expanded next)."""
-    return torch.topk(scores, min(k, scores.numel())).indices
 
 
 def rerank(pool: CandidatePool, budget: int, root_token: int, root_position: int) -> DraftTree:
@@ -188,16 +179,6 @@ def rerank_batch(pool, nodes: int, budget: torch.Tensor, roots: torch.Tensor, le
         valid=torch.cat([torch.ones(c, 1, dtype=torch.bool, device=dev), ok], 1),
         mask=ancestor_mask_batch(parents, levels),
     )
-
-
-def root_only_batch(roots: torch.Tensor):
-    """(C,) root tokens -> a TreeBatch of bare roots (a plain step's shape)."""
-    from adt_core.round.state import TreeBatch
-
-    c, dev = roots.numel(), roots.device
-    z = torch.zeros(c, 1, dtype=torch.long, device=dev)
-    return TreeBatch(roots[:, None], z - 1, z, z.float(), torch.ones(c, 1, dtype=torch.bool, device=dev),
-                     torch.ones(c, 1, 1, dtype=torch.bool, device=dev))
 
 
 def tree_of(batch, b: int) -> DraftTree:

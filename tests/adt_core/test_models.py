@@ -140,16 +140,6 @@ def test_tree_masked_forward_equals_each_branch_alone():
             assert torch.allclose(lg[0, -1], tree_logits[0, node], atol=1e-4), node
 
 
-def test_cache_keep_compacts_accepted_path():
-    c = KVCache(1, 1, 1, 2, 10, "cpu", torch.float32)
-    k = torch.arange(6.0).view(1, 1, 6, 1).expand(1, 1, 6, 2)
-    c.write(0, k, k)
-    c.advance(6)
-    c.keep(2, torch.tensor([0, 2, 3]))
-    assert c.length == 5
-    assert c.k[0, 0, 0, :5, 0].tolist() == [0, 1, 2, 4, 5]
-
-
 def test_drafter_runs_with_cache_and_tree_mask():
     m = tiny()
     d = Drafter(DrafterConfig.for_target(m.config)).eval()
