@@ -56,7 +56,6 @@ class DraftTree:
         return leaf_paths(self.parents)
 
 
-
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """parents (N,) with parents[i] < i -> (N, N) bool: [i, j] = j is i or an ancestor of i."""
     par = parents.tolist()
