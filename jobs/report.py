@@ -93,7 +93,8 @@ def build_charts(data: JobData, store, samples: int = 12) -> list[Chart]:
         Chart("time", "Time per image", "Engine time attributed to each image (solid line p50, dashed p90); the AR "
               "baseline where the job measured one.", rf.time_chart(data.rows)),
         Chart("speedup", "Speedup", "Measured speedup (baseline rows: AR decoded the same prompt) and the engine's "
-              "estimate (every row); right: the estimate against the measurement on the rows that have both.",
+              "estimate (every row); right: the cost model's own estimate (before it is scaled by the measured rows, "
+              "which would agree with them by construction) against the measurement on the rows that have both.",
               rf.speedup_chart(data.rows)),
         Chart("acceptance", "Acceptance", "Tokens committed per target forward, per image and per round.",
               rf.acceptance_chart(data.rows)),

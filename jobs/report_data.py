@@ -28,7 +28,7 @@ from pipeline.telemetry import STATUS_OK, TELEMETRY_DIR
 log = logging.getLogger(__name__)
 
 LIGHT_COLUMNS = ["prompt_id", "prompt", "status", "error", "image_key", "method", "grid_h", "grid_w", "actor_id",
-                 "finished_at", "generation_time_ms", "baseline_time_ms", "speedup", "estimated_speedup",
+                 "finished_at", "generation_time_ms", "baseline_time_ms", "speedup", "estimated_speedup", "estimated_speedup_model",
                  "mean_acceptance_length", "draft_acceptance_rate", "num_spec_steps", "accepted_lengths"]
 MAP_KEYS = ("depth", "width", "accepted")
 
