@@ -220,3 +220,10 @@ def format_summary(summary: dict[str, Any], *, title: str = "generation summary"
         lines.append(_line("report", f"python -m jobs.report {report_hint}   (charts of throughput, speedup, "
                                      "acceptance and the tree maps)"))
     return "\n".join(lines)
+
+
+def report_args(cfg: Any) -> str:
+    """The arguments of `python -m jobs.report` for a job's output: its root, and the job's
+    S3 endpoint when it has its own (job.json cannot be read without it)."""
+    ep = cfg.storage.endpoint_url if str(cfg.output).startswith("s3://") else None
+    return f"{cfg.output} --endpoint-url {ep}" if ep else str(cfg.output)
