@@ -8,7 +8,9 @@ tests call `run(batch)` (every row as one table) without Ray.
 
 The whole Ray batch goes through one engine stream: up to `decode.batch_size` images in
 flight, the next prompt admitted as soon as one finishes. Order per prompt: the image
-finishes -> store the PNG at <output>/images/<safe prompt id>.png -> its row. Rows leave in
+finishes -> store the PNG at <output>/images/<safe prompt id>.png -> its row; the PNG is
+encoded and stored by a bounded pool of writer threads (pipeline.writer) while the engine
+decodes on, and a row joins the outbox only once its write is done. Rows leave in
 chunks, at most one every YIELD_EVERY_S (the rest when the call ends), each chunk packed
 into one Arrow row (`pack`) so Ray Data hands it on at once instead of merging it into a
 block of its own size target. The driver writes rows as they arrive, so an ok row always
@@ -57,6 +59,7 @@ from pipeline.shards import Sample, sample_key, write_shards
 from pipeline.storage import image_key, open_storage
 from pipeline.telemetry import (SCHEMA, RowContext, add_baseline, calibrate_estimates, empty_table, failed_row, ok_row,
                                 to_table)
+from pipeline.writer import ImageWriter
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +212,8 @@ class GeneratorWorker:
         cost_note = "" if costs == "unused" else f", cost table {costs} in {t2 - t1:.1f} s"
         self.ready_line = (f"worker ready {_process_age():.0f} s after its process started: bundle {self.bundle.name} "
                            f"loaded in {t1 - t0:.1f} s{cost_note} ({dev_name}, {in_flight} in flight); {self.memory.line()}")
+        self.writer = ImageWriter(self._row, max_pending=max(2 * in_flight, 16))
+        self.decode_s = self.write_wait_s = 0.0  # the last call's decode loop, and its time blocked on writes
         if self.in_actor:
             print(self.ready_line, flush=True)  # Ray forwards it to the driver's console and job logs
         else:
@@ -233,10 +238,15 @@ class GeneratorWorker:
         prompts.sort(key=lambda p: not p.measured)  # measured first: their rows calibrate the others' estimates
         baselines = self._baselines(prompts)
         out.expect_measured(set(baselines))
-        for p, res in self._stream(prompts):  # as images finish
-            out.add(*self._row(p, res, baselines.get(p.prompt_id)))
+        t0, wait0 = time.perf_counter(), self.writer.wait_s
+        for p, res in self._stream(prompts):  # as images finish: encoded and stored by the writer pool
+            for done in self.writer.submit(p, res, baselines.get(p.prompt_id)):
+                out.add(*done)
             if out.due():
                 yield from out.release()
+        self.decode_s, self.write_wait_s = time.perf_counter() - t0, self.writer.wait_s - wait0
+        for done in self.writer.drain():  # every image durable before the call's last rows
+            out.add(*done)
         yield from out.release(final=True)
 
     def run(self, batch: pa.Table) -> pa.Table:
