@@ -143,7 +143,8 @@ def quiet_progress_bars(show: bool = False) -> None:
 # "Total Progress" blocks and the notice that bars are off (a warning); the per-dataset start,
 # plan and finish lines (info).
 _RAY_DATA_PROGRESS_LOGGERS = {"ray.data._internal.progress": logging.ERROR,
-                              "ray.data._internal.execution.streaming_executor": logging.WARNING}
+                              "ray.data._internal.execution.streaming_executor": logging.WARNING,
+                              "ray.data._internal.datasource.parquet_datasource": logging.WARNING}  # reader batch size
 
 
 def quiet_ray_data(context: Any, show: bool = False) -> None:
