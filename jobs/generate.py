@@ -57,7 +57,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.get("print_config"):
         print(json.dumps(json.loads(cfg.to_json()), indent=2))
         return 0
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # the project's own loggers at INFO; other libraries (botocore's "Found credentials", ...) at WARNING
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("pipeline", "jobs", "adt_core"):
+        logging.getLogger(name).setLevel(logging.INFO)
     return main_guarded(cfg)
 
 

@@ -26,9 +26,9 @@ from typing import Any, Optional
 import numpy as np
 
 from jobs.report_charts import MissingDependency, require_matplotlib
-from jobs.report_data import JobData, image_png, load, ok_rows, pick_samples
+from jobs.report_data import JobData, image_png, job_json, load, ok_rows, pick_samples
 from pipeline.config import StorageSettings
-from pipeline.storage import is_remote, open_storage, parse_uri
+from pipeline.storage import Storage, StorageUnavailable, is_remote, open_storage, parse_uri
 
 log = logging.getLogger("jobs.report")
 
@@ -93,7 +93,8 @@ def build_charts(data: JobData, store, samples: int = 12) -> list[Chart]:
         Chart("time", "Time per image", "Engine time attributed to each image (solid line p50, dashed p90); the AR "
               "baseline where the job measured one.", rf.time_chart(data.rows)),
         Chart("speedup", "Speedup", "Measured speedup (baseline rows: AR decoded the same prompt) and the engine's "
-              "estimate (every row); right: the estimate against the measurement on the rows that have both.",
+              "estimate (every row); right: the cost model's own estimate (before it is scaled by the measured rows, "
+              "which would agree with them by construction) against the measurement on the rows that have both.",
               rf.speedup_chart(data.rows)),
         Chart("acceptance", "Acceptance", "Tokens committed per target forward, per image and per round.",
               rf.acceptance_chart(data.rows)),
@@ -187,13 +188,30 @@ def default_out(uri: str) -> Path:
     return Path(parse_uri(uri).path) / "report"
 
 
+PROBE_BUDGET_S = 10.0  # seconds of retries reading job.json before the store counts as unreachable (exit 4)
+
+
+def job_store(uri: str, settings: Optional[StorageSettings] = None) -> Storage:
+    """The job's store, opened with the job's own storage settings: job.json is read first
+    (with `settings`, else the AWS environment: AWS_ENDPOINT_URL, AWS_REGION, a profile) and
+    its `storage` section (endpoint, region, profile, timeouts) serves every later read,
+    unless `settings` were given. StorageUnavailable when job.json cannot be reached."""
+    probe_settings = (settings or StorageSettings()).model_copy(update={"retry_budget_s": PROBE_BUDGET_S})
+    probe = open_storage(uri, probe_settings)
+    cfg = job_json(probe)  # raises StorageUnavailable: nothing else is tried against an unreachable store
+    if settings is None and isinstance(cfg.get("storage"), dict):
+        try:
+            return open_storage(uri, StorageSettings(**cfg["storage"]))
+        except (TypeError, ValueError):  # a job.json from another version: the environment's settings
+            log.warning("job.json storage settings not usable; using the environment's")
+    return open_storage(uri, settings)
+
+
 def make_report(uri: str, out: Optional[Path] = None, settings: Optional[StorageSettings] = None,
                 max_map_rows: int = 5000, samples: int = 12) -> Report:
     require_matplotlib()
-    store = open_storage(uri, settings)
+    store = job_store(uri, settings)
     data = load(store, max_map_rows=max_map_rows)
-    if settings is None and data.config.get("storage"):  # the job's own endpoint settings
-        store = open_storage(uri, StorageSettings(**data.config["storage"]))
     charts = build_charts(data, store, samples)
     out = Path(out) if out else default_out(uri)
     out.mkdir(parents=True, exist_ok=True)
@@ -210,11 +228,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                                 allow_abbrev=False)
     p.add_argument("output", help="The job's output: a folder, file:// or s3:// URI.")
     p.add_argument("--out", type=Path, default=None, help="Report folder; default <output>/report (s3: ./reports/<name>).")
-    p.add_argument("--endpoint-url", default=None, help="S3 endpoint; default: the job's, else the AWS settings.")
+    p.add_argument("--endpoint-url", default=None, help="S3 endpoint to read the output from; default: the AWS "
+                   "environment (AWS_ENDPOINT_URL, ...) for job.json, then job.json's storage settings.")
     p.add_argument("--max-map-rows", type=int, default=5000, help="Images averaged into the tree maps. [default: 5000]")
     p.add_argument("--samples", type=int, default=12, help="Images in the sample grid. [default: 12]")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jobs").setLevel(logging.INFO)
     settings = StorageSettings(endpoint_url=args.endpoint_url) if args.endpoint_url else None
     try:
         rep = make_report(args.output, args.out, settings, args.max_map_rows, args.samples)
@@ -224,6 +244,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except StorageUnavailable as e:
+        where = f"{args.endpoint_url}" if args.endpoint_url else "the environment's S3 endpoint"
+        print(f"error: cannot reach {args.output} at {where} ({str(e).splitlines()[0][:200]}): give the store's "
+              "endpoint with --endpoint-url URL or AWS_ENDPOINT_URL", file=sys.stderr)
+        return 4
     print(f"report: {rep.html_path}\nsummary: {rep.markdown_path}")
     return 0
 

@@ -28,7 +28,7 @@ from pipeline.telemetry import STATUS_OK, TELEMETRY_DIR
 log = logging.getLogger(__name__)
 
 LIGHT_COLUMNS = ["prompt_id", "prompt", "status", "error", "image_key", "method", "grid_h", "grid_w", "actor_id",
-                 "finished_at", "generation_time_ms", "baseline_time_ms", "speedup", "estimated_speedup",
+                 "finished_at", "generation_time_ms", "baseline_time_ms", "speedup", "estimated_speedup", "estimated_speedup_model",
                  "mean_acceptance_length", "draft_acceptance_rate", "num_spec_steps", "accepted_lengths"]
 MAP_KEYS = ("depth", "width", "accepted")
 
@@ -67,6 +67,11 @@ def _json(store: Storage, key: str) -> dict[str, Any]:
         return {}
 
 
+def job_json(store: Storage) -> dict[str, Any]:
+    """The job's job.json ({} when there is none)."""
+    return _json(store, "job.json")
+
+
 def load(store: Storage, max_map_rows: int = 5000, singles: int = 3) -> JobData:
     table = read_telemetry(store, columns=LIGHT_COLUMNS)
     if table is None:
@@ -75,7 +80,7 @@ def load(store: Storage, max_map_rows: int = 5000, singles: int = 3) -> JobData:
     rows = latest_per_prompt(table)
     picked = pick_singles(rows, singles)
     maps = tree_maps(store, rows, max_map_rows, picked)
-    return JobData(store.uri, _json(store, "job.json"), _json(store, "summary.json"), rows, total, maps)
+    return JobData(store.uri, job_json(store), _json(store, "summary.json"), rows, total, maps)
 
 
 def ok_rows(rows: pa.Table) -> pa.Table:

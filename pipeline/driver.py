@@ -57,7 +57,7 @@ from pipeline.prompts import PromptInputError, PromptSource, open_prompts, selec
 from pipeline.shards import SAMPLE_COLUMNS, finish_outputs
 from pipeline.retry import StorageUnavailable
 from pipeline.storage import Storage, is_remote, open_storage, parse_uri
-from pipeline.summary import format_summary, summarize
+from pipeline.summary import format_summary, report_args, summarize
 from pipeline.telemetry import STATUS_OK, TELEMETRY_DIR
 from pipeline.worker import GeneratorWorker
 
@@ -338,7 +338,7 @@ def _report(run: _Run, summary: dict[str, Any], code: int) -> JobResult:
         code = EXIT_STORAGE_UNAVAILABLE
         summary.update(status="storage unavailable", exit_code=code, error=summary["error"] or str(e))
         where["summary"] = "(not written: storage unavailable)"
-    print(format_summary(summary, title=f"job {cfg.job_id}", where=where, report_hint=cfg.output),
+    print(format_summary(summary, title=f"job {cfg.job_id}", where=where, report_hint=report_args(cfg)),
           file=run.stream, flush=True)
     if summary["error"]:
         say(f"error: {summary['error']}")

@@ -85,6 +85,11 @@ class Progress:
         return min(max(self.interval_s, WAIT_CAP_S), self.interval_s * 2 ** self.lines)
 
     def rate(self, now: float) -> Optional[float]:
+        """Images/s since the first rows (for the ETA); at the end, over the whole run from the
+        pool's start, the rate the summary's `time` line reports (a one-wave job has no rate
+        before that: its images arrive together)."""
+        if self.done >= self.total and now > self.started and self.done:
+            return self.done / (now - self.started)
         if self.first is None or now <= self.first[0] or self.done <= self.first[1]:
             return None
         return (self.done - self.first[1]) / (now - self.first[0])
@@ -143,7 +148,8 @@ def quiet_progress_bars(show: bool = False) -> None:
 # "Total Progress" blocks and the notice that bars are off (a warning); the per-dataset start,
 # plan and finish lines (info).
 _RAY_DATA_PROGRESS_LOGGERS = {"ray.data._internal.progress": logging.ERROR,
-                              "ray.data._internal.execution.streaming_executor": logging.WARNING}
+                              "ray.data._internal.execution.streaming_executor": logging.WARNING,
+                              "ray.data._internal.datasource.parquet_datasource": logging.WARNING}  # reader batch size
 
 
 def quiet_ray_data(context: Any, show: bool = False) -> None:

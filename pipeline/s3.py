@@ -9,6 +9,7 @@ in seconds and the budget decides how long an outage is ridden out.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 from urllib.parse import urlparse
@@ -117,10 +118,14 @@ class S3Storage(Storage):
         self.retry_budget_s = opts.retry_budget_s
         self._client = None
 
+    _client_lock = threading.Lock()  # writer threads share one client (boto3 clients are thread-safe, sessions not)
+
     @property
     def client(self):
         if self._client is None:  # lazily: the object must pickle to Ray workers without a client
-            self._client = s3_client(self.opts)
+            with self._client_lock:
+                if self._client is None:
+                    self._client = s3_client(self.opts)
         return self._client
 
     def __getstate__(self):

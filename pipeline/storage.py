@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -68,7 +69,10 @@ class LocalStorage(Storage):
 
     def _write_beside(self, path: Path, data: bytes) -> str:
         """A complete temp file next to `path` with the mode the umask gives new files."""
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except FileNotFoundError as e:  # a folder that cannot be made (/proc/x): unwritable, not a missing key
+            raise PermissionError(errno.EACCES, f"cannot create folder {path.parent}: {e.strerror}") from None
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-" + path.name[:40])
         try:
             with os.fdopen(fd, "wb") as f:

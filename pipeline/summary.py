@@ -10,7 +10,7 @@ Every number on the screen says what it is measured against:
   a window that means something: at least STEADY_MIN_S seconds and STEADY_MIN_IMAGES images,
   else the screen says why not (e.g. a job that was one wave of images in flight);
 - speedups compare with batched vanilla AR at the same engine batch, measured (the sampled
-  prompts decoded again with `ar`) or estimated (the rounds priced with this device's cost
+  prompts decoded again with `ar` with as many images in flight: like-for-like rows only) or estimated (the rounds priced with this device's cost
   table), and the screen says which; when the cost budget ran mostly plain AR steps it says
   so and why, with where to read more.
 """
@@ -173,7 +173,8 @@ def _speedup_lines(s: dict[str, Any]) -> list[str]:
     lines = []
     if m["count"]:
         lines.append(_line("speedup", f"measured {_fmt(m['median'], '.2f', 'x')} median, {_fmt(m['mean'], '.2f', 'x')} "
-                                      f"mean (n={m['count']}) {vs}: the sampled prompts decoded again with ar"))
+                                      f"mean (n={m['count']}) vs batched AR at the same occupancy{batch}: the sampled "
+                                      "prompts decoded again with ar, as many images in flight"))
     if e["count"]:
         how = ("scaled by the measured rows" if s.get("estimate_calibrated_rows") else
                "a model, not a measurement: --baseline-fraction above 0 measures it")
@@ -219,3 +220,10 @@ def format_summary(summary: dict[str, Any], *, title: str = "generation summary"
         lines.append(_line("report", f"python -m jobs.report {report_hint}   (charts of throughput, speedup, "
                                      "acceptance and the tree maps)"))
     return "\n".join(lines)
+
+
+def report_args(cfg: Any) -> str:
+    """The arguments of `python -m jobs.report` for a job's output: its root, and the job's
+    S3 endpoint when it has its own (job.json cannot be read without it)."""
+    ep = cfg.storage.endpoint_url if str(cfg.output).startswith("s3://") else None
+    return f"{cfg.output} --endpoint-url {ep}" if ep else str(cfg.output)

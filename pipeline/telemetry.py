@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the driver reads rows without importing torch
     from adt_core.results import GenerationResult, RoundTrace
 
 TELEMETRY_DIR = "telemetry"
+LIKE_FOR_LIKE = 0.10  # a measured speedup needs the AR baseline within this fraction of the image's occupancy
 STATUS_OK = "ok"
 STATUS_FAILED = "failed"
 
@@ -78,13 +79,21 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("generation_time_ms", pa.float64(), "engine time for this image (an AR batch's shared time is split evenly)"),
     ("draft_time_ms", pa.float64(), "time spent drafting"),
     ("verify_time_ms", pa.float64(), "time spent in target verification"),
-    ("baseline_time_ms", pa.float64(), "vanilla AR time for the same prompt and seed (baseline rows only)"),
-    ("speedup", pa.float64(), "baseline_time_ms / generation_time_ms, measured (baseline rows only)"),
+    ("in_flight", pa.float64(), "images in flight in this image's rounds (mean over its rounds; for vanilla AR the "
+     "engine's capacity in this worker call)"),
+    ("baseline_time_ms", pa.float64(), "vanilla AR time for the same prompt and seed, decoded with baseline_in_flight "
+     "images in flight (baseline rows only)"),
+    ("baseline_in_flight", pa.float64(), "images in flight in the AR baseline's rounds (baseline rows only): the "
+     "measured prompts decoded together with other prompts of the worker call, filled to the engine's occupancy"),
+    ("speedup", pa.float64(), "baseline_time_ms / generation_time_ms, measured like for like: null unless "
+     "baseline_in_flight is within 10% of in_flight (the same occupancy; baseline rows only)"),
     ("baseline_tokens_match", pa.bool_(), "the AR baseline produced the same token grid (baseline rows only)"),
     ("estimated_speedup", pa.float64(), "speedup over batched AR estimated from the rounds and the cost table, scaled by "
-     "the median measured/modelled ratio of the rows of the same worker batch that have a measured speedup (see estimate_source)"),
+     "the median measured/modelled ratio of the rows of the same worker batch that have a like-for-like measured "
+     "speedup (see estimate_source; on those rows it agrees with the measurement by construction)"),
     ("estimated_speedup_model", pa.float64(), "the cost-table model's estimate alone (before the scaling above)"),
-    ("estimate_source", pa.string(), "'model' or 'calibrated on N measured rows' (N rows of the same worker batch)"),
+    ("estimate_source", pa.string(), "'model' or 'calibrated on N measured rows' (N rows of the same worker batch, "
+     "measured at the same occupancy)"),
     ("rounds", pa.list_(ROUND_TYPE), "per-round trace: position, depth, width, nodes, accepted, draft_ms, verify_ms"),
     ("actor_id", pa.string(), "Ray actor that produced the row (local outside Ray)"),
     ("node_id", pa.string(), "Ray node id (local outside Ray)"),
@@ -194,24 +203,47 @@ def ok_row(ctx: RowContext, prompt_id: str, seed: int, image_key: Optional[str],
         verify_time_ms=s.verify_ms,
         estimated_speedup=_opt_float(s.estimated_speedup),
         rounds=[_round(r) for r in s.rounds],
+        in_flight=mean_in_flight(s),
     )
     return row
 
 
-def add_baseline(row: dict[str, Any], baseline: "GenerationResult") -> None:
-    """Record a vanilla AR decode of the same prompt: its time, the measured speedup, and
-    whether it produced the same tokens."""
+def mean_in_flight(stats: Any) -> float:
+    """Images in flight in an image's rounds (mean over its traced rounds; untraced: the
+    engine's capacity)."""
+    r = stats.rounds
+    if len(r):
+        slots = r.ints[:, 5] if hasattr(r, "ints") else np.array([x.slots for x in r])
+        return float(np.mean(slots))
+    return float(stats.batch_size)
+
+
+def like_for_like(in_flight: Optional[float], baseline_in_flight: Optional[float]) -> bool:
+    """The AR baseline ran at the image's occupancy (within LIKE_FOR_LIKE); unknown counts as
+    the same."""
+    if not in_flight or not baseline_in_flight:
+        return True
+    return abs(baseline_in_flight / in_flight - 1.0) <= LIKE_FOR_LIKE
+
+
+def add_baseline(row: dict[str, Any], baseline: "GenerationResult", baseline_in_flight: Optional[float] = None) -> None:
+    """Record a vanilla AR decode of the same prompt: its time, its occupancy, the measured
+    speedup (only like for like: AR at the image's occupancy), and whether it produced the
+    same tokens."""
     base_ms = baseline.stats.total_ms
     row["baseline_time_ms"] = base_ms
+    row["baseline_in_flight"] = baseline_in_flight
     gen_ms = row.get("generation_time_ms")
-    row["speedup"] = (base_ms / gen_ms) if base_ms and gen_ms else None
+    same = like_for_like(row.get("in_flight"), baseline_in_flight)
+    row["speedup"] = (base_ms / gen_ms) if base_ms and gen_ms and same else None
     _, _, ids = tokens_to_list(baseline.tokens)
     row["baseline_tokens_match"] = ids == row.get("tokens")
 
 
 def calibrate_estimates(rows: list[dict[str, Any]]) -> None:
     """Scale each ok row's modelled estimated_speedup by the median of measured / modelled over
-    the rows that have both (the same worker batch: same device, load and batch size), and say
+    the rows that have both (the same worker batch: same device and load; `speedup` is only set
+    where the baseline ran at the image's occupancy, so only like-for-like rows count), and say
     which estimate a row carries in estimate_source."""
     pairs = [r["speedup"] / r["estimated_speedup"] for r in rows
              if r.get("speedup") and r.get("estimated_speedup")]

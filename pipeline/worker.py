@@ -8,16 +8,23 @@ tests call `run(batch)` (every row as one table) without Ray.
 
 The whole Ray batch goes through one engine stream: up to `decode.batch_size` images in
 flight, the next prompt admitted as soon as one finishes. Order per prompt: the image
-finishes -> store the PNG at <output>/images/<safe prompt id>.png -> its row. Rows leave in
+finishes -> store the PNG at <output>/images/<safe prompt id>.png -> its row; the PNG is
+encoded and stored by a bounded pool of writer threads (pipeline.writer) while the engine
+decodes on, and a row joins the outbox only once its write is done. Rows leave in
 chunks, at most one every YIELD_EVERY_S (the rest when the call ends), each chunk packed
 into one Arrow row (`pack`) so Ray Data hands it on at once instead of merging it into a
 block of its own size target. The driver writes rows as they arrive, so an ok row always
 means the image exists; a retried batch rewrites the same keys (no duplicates).
 
-A sampled fraction of prompts (`baseline_fraction`) is also decoded with vanilla AR, all of
-the batch's together at the same engine batch size, before the batch itself; they enter
-the engine first, and the batch's rows wait until they have finished, so every row's
-estimated speedup is calibrated on the batch's measured rows (`_Outbox`). With output_format
+A sampled fraction of prompts (`baseline_fraction`) is also decoded with vanilla AR before
+the batch itself, at the occupancy the speculative engine has: the measured prompts are
+decoded together with other prompts of the call (whose AR images are dropped) so that AR runs
+with as many images in flight as the batch does (`_baselines`; each image's time is its share
+of its rounds, so AR with fewer images in flight would look slower per image on a device
+whose forward is flat in batch size). A row's speedup is set only when the two occupancies
+agree (telemetry.like_for_like). The measured prompts enter the engine first, and the
+batch's rows wait until they have finished, so every row's estimated speedup is calibrated
+on the batch's like-for-like measured rows (`_Outbox`). With output_format
 webdataset / parquet, rows leave once their images are in a written shard
 (`shard_size` images, or the call's images when the call ends: pipeline.shards).
 
@@ -52,6 +59,7 @@ from pipeline.shards import Sample, sample_key, write_shards
 from pipeline.storage import image_key, open_storage
 from pipeline.telemetry import (SCHEMA, RowContext, add_baseline, calibrate_estimates, empty_table, failed_row, ok_row,
                                 to_table)
+from pipeline.writer import ImageWriter
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +212,8 @@ class GeneratorWorker:
         cost_note = "" if costs == "unused" else f", cost table {costs} in {t2 - t1:.1f} s"
         self.ready_line = (f"worker ready {_process_age():.0f} s after its process started: bundle {self.bundle.name} "
                            f"loaded in {t1 - t0:.1f} s{cost_note} ({dev_name}, {in_flight} in flight); {self.memory.line()}")
+        self.writer = ImageWriter(self._row, max_pending=max(2 * in_flight, 16))
+        self.decode_s = self.write_wait_s = 0.0  # the last call's decode loop, and its time blocked on writes
         if self.in_actor:
             print(self.ready_line, flush=True)  # Ray forwards it to the driver's console and job logs
         else:
@@ -226,19 +236,24 @@ class GeneratorWorker:
             measured = self.baseline is not None and in_baseline_sample(pid, self.cfg.baseline_fraction)
             prompts.append(_Prompt(pid, prompt, seed, measured))
         prompts.sort(key=lambda p: not p.measured)  # measured first: their rows calibrate the others' estimates
-        baselines = self._baselines([p for p in prompts if p.measured])
+        baselines = self._baselines(prompts)
         out.expect_measured(set(baselines))
-        for p, res in self._stream(prompts):  # as images finish
-            out.add(*self._row(p, res, baselines.get(p.prompt_id)))
+        t0, wait0 = time.perf_counter(), self.writer.wait_s
+        for p, res in self._stream(prompts):  # as images finish: encoded and stored by the writer pool
+            for done in self.writer.submit(p, res, baselines.get(p.prompt_id)):
+                out.add(*done)
             if out.due():
                 yield from out.release()
+        self.decode_s, self.write_wait_s = time.perf_counter() - t0, self.writer.wait_s - wait0
+        for done in self.writer.drain():  # every image durable before the call's last rows
+            out.add(*done)
         yield from out.release(final=True)
 
     def run(self, batch: pa.Table) -> pa.Table:
         """Every row of one batch as one table (plain Python use: tests, notebooks)."""
         return pa.concat_tables([unpack(chunk) for chunk in self(batch)] or [empty_table()])
 
-    def _row(self, p: "_Prompt", res: Any, baseline: Any) -> tuple[dict, Optional[Sample]]:
+    def _row(self, p: "_Prompt", res: Any, baseline: Optional[tuple[Any, float]]) -> tuple[dict, Optional[Sample]]:
         """The row of one finished prompt (its PNG stored first, unless it goes into a shard)."""
         if isinstance(res, BaseException):
             return failed_row(self.ctx, p.prompt_id, p.seed, _describe(res), prompt=p.prompt), None
@@ -253,7 +268,7 @@ class GeneratorWorker:
             log.warning("prompt %s failed after generation: %s", p.prompt_id, _describe(e))
             return failed_row(self.ctx, p.prompt_id, p.seed, _describe(e), prompt=p.prompt), None
         if baseline is not None:
-            add_baseline(row, baseline)
+            add_baseline(row, *baseline)
         return row, (Sample(sample_key(p.prompt_id), png, row) if sharded else None)
 
     def write_shards(self, samples: list[Sample]) -> list[dict]:
@@ -296,19 +311,26 @@ class GeneratorWorker:
                     self._die(e)
                 yield p, e
 
-    def _baselines(self, prompts: list["_Prompt"]) -> dict[str, Any]:
-        """prompt id -> its vanilla AR result: the measured prompts decoded together, at the job's
-        engine batch size, before the batch itself (empty when the measurement failed)."""
-        if not prompts:
+    def _baselines(self, prompts: list["_Prompt"]) -> dict[str, tuple[Any, float]]:
+        """prompt id -> (its vanilla AR result, AR images in flight) for the measured prompts,
+        decoded before the batch at the batch's occupancy: with other prompts of the call as
+        filler up to a whole number of engine waves (AR images all finish together, so each
+        wave runs full). Empty when nothing is measured or the measurement failed."""
+        measured = [p for p in prompts if p.measured]
+        if not measured:
             return {}
+        cap = min(self.memory.images, len(prompts))  # the speculative engine's occupancy in this call
+        n = min(len(prompts), -(-len(measured) // cap) * cap)
+        todo = measured + [p for p in prompts if not p.measured][: n - len(measured)]
         try:
-            results = self.baseline.generate([p.prompt for p in prompts], [p.seed for p in prompts])
+            results = self.baseline.generate([p.prompt for p in todo], [p.seed for p in todo])
         except Exception as e:  # noqa: BLE001 - the measurement is optional; the images are fine
             if _is_fatal(e):
                 self._die(e)
-            log.warning("baseline for %d prompts failed: %s", len(prompts), _describe(e))
+            log.warning("baseline for %d prompts failed: %s", len(measured), _describe(e))
             return {}
-        return {p.prompt_id: res for p, res in zip(prompts, results)}
+        wave = lambda i: float(min(cap, n - i // cap * cap))  # noqa: E731 - images in flight in item i's wave
+        return {p.prompt_id: (res, wave(i)) for i, (p, res) in enumerate(zip(todo, results)) if p.measured}
 
     def _free_memory(self) -> None:
         import gc

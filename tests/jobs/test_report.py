@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from jobs.report import main as report_main, make_report  # noqa: E402
+from jobs.report import job_store, main as report_main, make_report  # noqa: E402
 from pipeline.config import StorageSettings, build_config  # noqa: E402
 from pipeline.driver import run_job  # noqa: E402
 from pipeline.storage import LocalStorage  # noqa: E402
@@ -89,12 +89,34 @@ def test_report_s3_job_without_baseline(tmp_path, ray_local, moto_endpoint):
     bucket = "rep-" + uuid.uuid4().hex[:10]
     boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
     uri = f"s3://{bucket}/runs/j1"
-    res = run_job(_job(tmp_path, uri, storage={"endpoint_url": moto_endpoint}), stream=io.StringIO())
+    out = io.StringIO()
+    res = run_job(_job(tmp_path, uri, storage={"endpoint_url": moto_endpoint, "retry_budget_s": 7.0}), stream=out)
     assert res.exit_code == 0 and res.summary["ok"] == 6
+    assert f"python -m jobs.report {uri} --endpoint-url {moto_endpoint}" in out.getvalue()  # the hint runs as printed
     rep = make_report(uri, tmp_path / "rep", StorageSettings(endpoint_url=moto_endpoint))
     assert [c.name for c in rep.charts] == CHARTS
     page, md = _check_page(tmp_path / "rep", failures=False)
     assert "| measured speedup vs ar | 0 |" in md and "failed 0" in md
+    # no flags, the endpoint from the AWS environment: job.json is read first and its settings serve the rest
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AWS_ENDPOINT_URL", moto_endpoint)
+        assert job_store(uri).opts.retry_budget_s == 7.0
+        assert report_main([uri, "--out", str(tmp_path / "rep2"), "--samples", "2"]) == 0
+    assert (tmp_path / "rep2" / "index.html").exists()
+
+
+def test_report_unreachable_store_exits_4_in_one_line(capsys, monkeypatch, aws_env):
+    import socket
+
+    import jobs.report
+
+    monkeypatch.setattr(jobs.report, "PROBE_BUDGET_S", 0.3)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert report_main(["s3://nowhere/run", "--endpoint-url", f"http://127.0.0.1:{port}"]) == 4
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--endpoint-url" in err and "AWS_ENDPOINT_URL" in err and "Traceback" not in err
 
 
 def _synthetic(n: int, grid=(8, 8)) -> pa.Table:

@@ -1,10 +1,12 @@
-"""A TCP proxy on 127.0.0.1 that can cut its connections, to play storage outages."""
+"""A TCP proxy on 127.0.0.1 that can cut its connections, to play storage outages, or hold
+each PUT request for `put_delay_s` before passing it on, to play a slow store."""
 
 from __future__ import annotations
 
 import socket
 import struct
 import threading
+import time
 
 
 def free_port() -> int:
@@ -28,6 +30,7 @@ class TcpProxy:
         self._lock = threading.Condition()
         self._open: set[socket.socket] = set()
         self.refused = 0
+        self.put_delay_s = 0.0  # latency added to every PUT request (a slow store)
         self._closed = False
         threading.Thread(target=self._accept_loop, daemon=True).start()
 
@@ -58,15 +61,17 @@ class TcpProxy:
                 continue
             with self._lock:
                 self._open |= {client, upstream}
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            for a, b, up in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pump, args=(a, b, up), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, request_side: bool = False) -> None:
         try:
             while True:
                 data = src.recv(65536)
                 if not data:
                     break
+                if request_side and self.put_delay_s and data.startswith(b"PUT "):
+                    time.sleep(self.put_delay_s)  # the store's latency, not a test's wait
                 dst.sendall(data)
         except OSError:
             pass

@@ -176,3 +176,9 @@ def test_zero_row_input_is_refused(tmp_path):
         open_prompts(str(empty))
     code, _, err = run_cli(cfg_for(tmp_path, empty, tmp_path / "out"))
     assert code == EXIT_BAD_INPUT and "no prompts" in err
+
+
+def test_output_folder_that_cannot_be_made_is_unavailable_not_missing():
+    """--output /proc/x: mkdir's ENOENT is an unwritable output (exit 4), not a missing key."""
+    with pytest.raises(StorageUnavailable, match="cannot create folder"):
+        open_storage("/proc/x").put_bytes("images/a.png", b"1")

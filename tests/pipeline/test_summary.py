@@ -77,8 +77,8 @@ def test_measured_speedup_comes_first_and_the_estimate_says_it_was_scaled():
     _, text = screen(t)
     lines = text.splitlines()
     i = next(i for i, line in enumerate(lines) if line.startswith("speedup"))
-    assert lines[i].startswith("speedup   measured 1.60x median, 1.60x mean (n=2) vs batched AR at the same batch "
-                               "(64 in flight)")
+    assert lines[i].startswith("speedup   measured 1.60x median, 1.60x mean (n=2) vs batched AR at the same "
+                               "occupancy (64 in flight)")
     assert lines[i + 1].startswith("          estimated 0.87x median") and "scaled by the measured rows" in lines[i + 1]
     assert not any(line.startswith("note") for line in lines)  # 8 nodes per round: the trees drafted
 

@@ -150,3 +150,37 @@ def test_baseline_sample_is_deterministic_fraction():
     picked = [i for i in ids if in_baseline_sample(i, 0.1)]
     assert 140 < len(picked) < 260 and picked == [i for i in ids if in_baseline_sample(i, 0.1)]
     assert not any(in_baseline_sample(i, 0.0) for i in ids) and all(in_baseline_sample(i, 1.0) for i in ids)
+
+
+class TickTimer:
+    """A synthetic engine clock: every reading is 1 ms after the last, so a round costs the
+    same however many images are in it (a device whose forward is flat in batch size, where
+    an AR baseline at a lower occupancy would look slower per image)."""
+
+    def __init__(self, device):
+        self.t = 0.0
+
+    def now(self) -> float:
+        self.t += 1.0
+        return self.t
+
+    mark = now
+
+
+@pytest.mark.parametrize("in_flight", [4, 16, 64])
+def test_measured_speedup_is_ar_at_the_same_occupancy(tmp_path, monkeypatch, in_flight):
+    """AR against itself with a quarter of the prompts measured: the baseline runs at the
+    batch's occupancy (filled with other prompts of the call), so the measured speedup is 1x,
+    not images in flight / measured prompts."""
+    import adt_core.engine
+
+    monkeypatch.setattr(adt_core.engine, "Timer", TickTimer)
+    w = make_worker(tmp_path, baseline_fraction=0.25, decode={"method": "ar", "temperature": 0.0, "batch_size": in_flight, "max_tokens": 8})
+    n = max(16, in_flight)
+    out = w.run(batch([{"prompt_id": f"q{i}", "prompt": f"face {i}", "seed": i} for i in range(n)])).to_pylist()
+    measured = [r for r in out if r["baseline_time_ms"] is not None]
+    assert 0 < len(measured) < n and all(r["status"] == "ok" for r in out)
+    assert all(r["baseline_in_flight"] == r["in_flight"] == min(in_flight, n) for r in measured)
+    speedups = sorted(r["speedup"] for r in measured)
+    assert 0.9 <= speedups[len(speedups) // 2] <= 1.1, speedups
+    assert all(r["baseline_tokens_match"] for r in measured)
