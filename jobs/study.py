@@ -168,7 +168,7 @@ def _init_ray(args: argparse.Namespace) -> None:
         ray.init(address=address, log_to_driver=True)
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    ray.init(num_cpus=args.local_cpus or cores + 1, include_dashboard=False, object_store_memory=512 * 1024**2,
+    ray.init(address="local", num_cpus=args.local_cpus or cores + 1, include_dashboard=False, object_store_memory=512 * 1024**2,
              log_to_driver=True, _system_config={"worker_niceness": 0})  # a benchmark: actors at normal priority
 
 

@@ -48,6 +48,9 @@ def ray_session():
         yield ray
         return
     ray.init(
+        # "local": always a new instance, never a cluster another process left in
+        # /tmp/ray/ray_current_cluster (a multi-node test's head, a `ray start`)
+        address="local",
         num_cpus=4,
         num_gpus=0,
         object_store_memory=256 * 1024**2,
