@@ -12,6 +12,10 @@ the actor pool is placed on it.
   yet, the driver asks the autoscaler for them (`ray.autoscaler.sdk.request_resources`,
   one bundle per actor) and waits up to `gpu_wait_s` for them to join; only then does
   `device: auto` fall back to CPU actors or `device: cuda` fail (exit 3).
+- `PoolWatch`: while the pool runs, a thread asks Ray every few seconds whether a live node
+  can still host an actor of the plan; when none can for `node_lost_wait_s` (every GPU node
+  preempted, none joining), it ends the job (exit 3) instead of letting Ray Data wait
+  forever for actors to restart.
 - `plan_actors`: GPUs or CPU shares per actor, capped to what the cluster and the number of
   prompts can use; a CPU share never below MIN_CPUS_PER_ACTOR. On a cluster that can grow,
   a GPU pool is autoscaling: it starts with the actors that fit and grows to the number
@@ -20,6 +24,7 @@ the actor pool is placed on it.
 
 from __future__ import annotations
 
+import _thread
 import os
 import signal
 import socket
@@ -193,6 +198,74 @@ def plan_actors(cfg: JobConfig, resources: dict[str, float], num_prompts: Option
         waited = f" after waiting {waited_s:g} s for the autoscaler" if waited_s else ""
         notes.insert(0, f"no GPUs in the cluster{waited}: running {n} CPU actor(s)")
     return ActorPlan("cpu", n, 0.0, round(per_cpu, 4), threads, notes)
+
+
+def can_host(node: dict, plan: ActorPlan) -> bool:
+    """A live node (ray.nodes() entry) with the resources of one actor of `plan`."""
+    res = node.get("Resources") or {}
+    return bool(node.get("Alive")) and float(res.get("CPU", 0.0)) >= plan.num_cpus - 1e-9 \
+        and float(res.get("GPU", 0.0)) >= plan.num_gpus - 1e-9
+
+
+class PoolWatch:
+    """Ends the job when no live node can host an actor of `plan` for `wait_s` seconds: sets
+    `lost` (the one line the job ends with) and interrupts the main thread, which is blocked in
+    Ray Data waiting for actors that cannot restart anywhere."""
+
+    def __init__(self, plan: ActorPlan, wait_s: float, poll_s: float = 1.0,
+                 nodes_fn: Optional[Callable[[], list[dict]]] = None, clock: Callable[[], float] = time.monotonic):
+        self.plan, self.wait_s, self.poll_s, self.clock = plan, wait_s, poll_s, clock
+        self.nodes_fn = nodes_fn
+        self.lost: Optional[str] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pool-watch", daemon=True)
+
+    def __enter__(self) -> "PoolWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def check(self, since: Optional[float]) -> Optional[float]:
+        """One look at the cluster: the moment hosting nodes were first seen missing (None
+        while one is there); sets `lost` once they were missing for wait_s."""
+        import ray
+
+        nodes = self.nodes_fn() if self.nodes_fn else ray.nodes()
+        if any(can_host(n, self.plan) for n in nodes):
+            return None
+        now = self.clock()
+        since = now if since is None else since
+        if now - since >= self.wait_s:
+            need = f"{self.plan.num_gpus:g} GPU + {self.plan.num_cpus:g} CPU" if self.plan.num_gpus \
+                else f"{self.plan.num_cpus:g} CPU"
+            self.lost = (f"every node that could host an actor ({need}) left the cluster and none joined within "
+                         f"{self.wait_s:g} s (--node-lost-wait-s); the rows done are kept: rerun with --resume")
+        return since
+
+    def _run(self) -> None:
+        since = None
+        while not self._stop.wait(self.poll_s):
+            try:
+                since = self.check(since)
+            except Exception:  # noqa: BLE001 - the GCS busy or gone: look again
+                continue
+            if self.lost:
+                _thread.interrupt_main(signal.SIGINT)  # the driver's handler raises JobInterrupted
+                return
+
+
+def actor_restarts(actor_ids: list[str]) -> int:
+    """How many times Ray restarted these actors (GCS actor table; 0 when it cannot say)."""
+    try:
+        from ray._private import state
+
+        return sum(int(state.actors(actor_id=a).get("NumRestarts", 0) or 0)
+                   for a in set(actor_ids) if a and a not in ("local", "driver"))
+    except Exception:  # noqa: BLE001 - a private API: the count is informative only
+        return 0
 
 
 # ----------------------------------------------------------------------------------------

@@ -158,6 +158,11 @@ class JobConfig(_Strict):
         "autoscaler for them and wait up to this many seconds before device auto falls back to CPU actors or device "
         "cuda fails (exit 3); none = 0 on a new local Ray, 600 on a cluster.",
     )
+    node_lost_wait_s: float = Field(
+        300.0, gt=0.0, le=86400.0, allow_inf_nan=False,
+        description="When every node that can host an actor has left the cluster mid-run (spot preemption): wait up "
+        "this many seconds for one to join, then stop with exit 3 (what was done is kept: rerun with --resume).",
+    )
     ray_connect_timeout_s: float = Field(
         30.0, gt=0.0, le=3600.0, description="Seconds to wait for the Ray cluster at ray_address before exit code 3."
     )

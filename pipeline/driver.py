@@ -23,7 +23,8 @@ Output layout (rooted at JobConfig.output, a path or s3:// prefix):
 
 Exit codes (EXIT_CODES; docs/pipeline.md):
     0 done            1 some rows failed      2 config / input / resume / bundle / memory plan refused
-    3 Ray cluster unreachable or too small    4 storage unavailable
+    3 Ray cluster unreachable, too small, or every actor-hosting node lost mid-run
+    4 storage unavailable
     5 output in use by another job (lease)    6 interrupted (SIGTERM / SIGINT)
     7 internal error (a bug: traceback logged)
 """
@@ -47,7 +48,7 @@ import pyarrow.compute as pc
 
 from pipeline.checks import JobRefused, check_bundle, check_engine_config, plan_job_memory
 from pipeline.cluster import ActorPlan, ClusterUnavailable, connect
-from pipeline.execute import JobInterrupted, PoolRun, execute
+from pipeline.execute import JobInterrupted, PoolLost, PoolRun, execute
 from pipeline.config import DEFAULT_INPUT, ConfigError, JobConfig, packaged_input
 from pipeline.history import ConfigChanged, check_and_record, finish_record
 from pipeline.lease import Lease, LeaseHeld
@@ -77,7 +78,8 @@ EXIT_CODES = {
     EXIT_OK: "done: every selected prompt has an ok row",
     EXIT_ROWS_FAILED: "the run finished but some rows failed (--allow-failures makes it 0)",
     EXIT_BAD_INPUT: "the config, the prompt input, a resume, the bundle or its memory plan was refused before any work",
-    EXIT_NO_RESOURCES: "the Ray cluster cannot be reached or cannot host the actors",
+    EXIT_NO_RESOURCES: "the Ray cluster cannot be reached or cannot host the actors (or lost every node that could, "
+                       "mid-run: rerun with --resume)",
     EXIT_STORAGE_UNAVAILABLE: "the input or output store is unavailable (down past storage.retry_budget_s, or refused)",
     EXIT_OUTPUT_BUSY: "another job holds the output's lease",
     EXIT_INTERRUPTED: "stopped by SIGTERM / SIGINT; what was done is in the telemetry and summary",
@@ -175,6 +177,7 @@ class _Run:
     plan: Optional[ActorPlan] = None
     stopped: Optional[BaseException] = None  # why the run ended early
     exec_s: float = 0.0  # the pool's wall time (Ray start-up excluded)
+    pool: dict = field(default_factory=dict)  # the pool's passes, actor restarts, duplicate rows dropped
 
     @property
     def wanted(self) -> int:
@@ -264,8 +267,9 @@ def _generate(run: _Run) -> None:
         run.lease.on_lost = lambda: _thread.interrupt_main(signal.SIGINT)
         t_exec = time.perf_counter()
         bar = run.stream if run.say.terminal else None
-        run.plan = execute(PoolRun(run.cfg, run.source, run.todo, run.ledger, run.say, run.run_id, bar, run.worker))
-    except (JobInterrupted, StorageUnavailable) as e:
+        pool = PoolRun(run.cfg, run.source, run.todo, run.ledger, run.say, run.run_id, bar, run.worker, run.pool)
+        run.plan = execute(pool)
+    except (JobInterrupted, StorageUnavailable, PoolLost) as e:
         run.stopped = e
     finally:
         run.lease.on_lost = None
@@ -313,8 +317,11 @@ def _summarize(run: _Run) -> tuple[dict[str, Any], int]:
         output=run.output.uri, device=plan.device if plan else None, num_actors=plan.num_actors if plan else 0,
         method=cfg.decode.method, engine_batch=cfg.decode.batch_size, budget=_budget(cfg),
         job_ok=statuses.count("ok"), job_failed=statuses.count("failed"), durable_rows=run.ledger.rows_written,
-        status={EXIT_INTERRUPTED: "interrupted", EXIT_STORAGE_UNAVAILABLE: "storage unavailable"}.get(code, "done"),
+        status={EXIT_INTERRUPTED: "interrupted", EXIT_STORAGE_UNAVAILABLE: "storage unavailable",
+                EXIT_NO_RESOURCES: "cluster lost"}.get(code, "done"),
         exit_code=code, error=str(run.stopped) if run.stopped else None,
+        pool_passes=run.pool.get("passes", 0), actor_restarts=run.pool.get("actor_restarts", 0),
+        duplicate_rows_dropped=run.pool.get("duplicates_dropped", 0),
     )
     return summary, code
 
@@ -340,6 +347,9 @@ def _report(run: _Run, summary: dict[str, Any], code: int) -> JobResult:
         where["summary"] = "(not written: storage unavailable)"
     print(format_summary(summary, title=f"job {cfg.job_id}", where=where, report_hint=report_args(cfg)),
           file=run.stream, flush=True)
+    if summary["actor_restarts"] or summary["pool_passes"] > 1:
+        say(f"faults survived: {summary['actor_restarts']} actor restart(s), {summary['pool_passes']} pass(es) over "
+            f"the prompts, {summary['duplicate_rows_dropped']} repeated row(s) dropped")
     if summary["error"]:
         say(f"error: {summary['error']}")
     if code == EXIT_ROWS_FAILED:
@@ -350,6 +360,8 @@ def _report(run: _Run, summary: dict[str, Any], code: int) -> JobResult:
 
 
 def _exit_code(cfg: JobConfig, summary: dict[str, Any], stopped: Optional[BaseException]) -> int:
+    if isinstance(stopped, PoolLost):
+        return EXIT_NO_RESOURCES
     if isinstance(stopped, StorageUnavailable):
         return EXIT_STORAGE_UNAVAILABLE
     if isinstance(stopped, JobInterrupted):

@@ -4,6 +4,16 @@ finish.
     read_parquet(prompts) -> keep the selected ids -> repartition so every actor gets work
     -> materialize -> map_batches(GeneratorWorker, ActorPoolStrategy(min, max), GPUs or CPU
     shares per actor) -> iter_batches -> unpack -> RowSink (ledger + progress)
+    -> prompts without a row (a batch Ray retried after its actor or node died) run again
+
+Every prompt gets exactly one row: the sink drops repeats, and after the pool ends the
+prompts with no row are run again in a new pool (up to REDO_PASSES passes; what still has
+none gets a failed row saying so, so the job cannot end 0 with prompts unrecorded). Why rows
+go missing at all: when an actor dies mid-batch Ray retries its whole batch and, matching the
+retry's chunks to the first attempt's by position, passes on only chunks past those already
+delivered; chunks are cut by time as images finish, so positions do not match prompts.
+A `PoolWatch` stops the job (exit 3) when no live node can host an actor for
+node_lost_wait_s.
 
 The prompts are read (and materialized: a few hundred bytes per prompt in the object store)
 before the actors start, because the generation stage runs under a 1-byte block-size target:
@@ -15,15 +25,17 @@ The prompt files go through Ray Data's V1 Parquet reader (`_read_prompt_files`).
 from __future__ import annotations
 
 import math
+import os
 import re
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, TextIO
 
 import pyarrow as pa
 
 from pipeline.checks import JobRefused
-from pipeline.cluster import ActorPlan, autoscaler_max_resources, plan_actors, plan_gpu_demand, ray_target, wait_for_gpus
+from pipeline.cluster import (ActorPlan, ClusterUnavailable, PoolWatch, actor_restarts, autoscaler_max_resources,
+                              plan_actors, plan_gpu_demand, ray_target, wait_for_gpus)
 from pipeline.config import JobConfig
 from pipeline.ledger import Ledger
 from pipeline.progress import Progress, quiet_ray_data
@@ -31,9 +43,19 @@ from pipeline.progress_sink import RowSink
 from pipeline.prompts import PromptSource, keep_ids
 from pipeline.retry import StorageUnavailable, is_transient
 from pipeline.storage import is_remote
+from pipeline.telemetry import RowContext, failed_row, to_table
 from pipeline.worker import GeneratorWorker, unpack
 
 STREAM_BLOCK_BYTES = 1  # generation stage: every yielded chunk is a block of its own
+REDO_PASSES = 3  # pools run over the prompts still without a row, at most
+# Test override: actors reserve logical GPUs (num_gpus) but their engines compute on CPU
+# (a multi-node test cluster on a machine without GPUs; docs/deploy.md).
+CPU_ENGINE_ENV = "ADT_ENGINE_ON_CPU"
+
+
+class PoolLost(ClusterUnavailable):
+    """Every node that could host an actor left mid-run and none joined in time (exit 3,
+    after the rows done were written)."""
 
 
 @dataclass
@@ -48,6 +70,7 @@ class PoolRun:
     run_id: Optional[str] = None
     bar: Optional[TextIO] = None  # a terminal: progress drawn as a bar there, else plain lines
     worker: type = GeneratorWorker  # the actor class (tests pass a subclass that injects faults)
+    stats: dict = field(default_factory=dict)  # filled by execute: passes, actor restarts, duplicates dropped
 
 
 class JobInterrupted(BaseException):
@@ -128,8 +151,8 @@ def _announce(run: PoolRun, plan: ActorPlan) -> None:
             f"(its 'worker ready' line says how long that took)")
 
 
-def _dataset(run: PoolRun, plan: ActorPlan):
-    """The Ray Data plan: the selected prompts (materialized) -> the generator actor pool."""
+def _dataset(run: PoolRun, plan: ActorPlan, todo: list[str]):
+    """The Ray Data plan: the prompts `todo` (materialized) -> the generator actor pool."""
     import ray
     from ray.data import ActorPoolStrategy, DataContext
 
@@ -140,14 +163,15 @@ def _dataset(run: PoolRun, plan: ActorPlan):
         ctx.wait_for_min_actors_s = 1800  # fail rather than hang when actors cannot be placed
     source = run.source
     ds = _read_prompt_files(source).select_columns(source.columns)
-    if len(run.todo) < len(source.ids):
-        ds = ds.map_batches(keep_ids, fn_kwargs={"ids": pa.array(run.todo, pa.string())}, batch_format="pyarrow")
+    if len(todo) < len(source.ids):
+        ds = ds.map_batches(keep_ids, fn_kwargs={"ids": pa.array(todo, pa.string())}, batch_format="pyarrow")
     # Small prompt files arrive as one block (one actor would get everything): split by rows.
-    per_block = max(1, min(rows, math.ceil(len(run.todo) / (plan.pool_max * 4))))
+    per_block = max(1, min(rows, math.ceil(len(todo) / (plan.pool_max * 4))))
+    device = "cpu" if os.environ.get(CPU_ENGINE_ENV) == "1" else plan.device
     prompts = ds.repartition(target_num_rows_per_block=per_block).materialize()  # read errors: see _pump
     ds = prompts.map_batches(
         run.worker,
-        fn_constructor_kwargs={"config": cfg.model_dump(mode="json"), "device": plan.device,
+        fn_constructor_kwargs={"config": cfg.model_dump(mode="json"), "device": device,
                                "num_threads": plan.threads, "run_id": run.run_id},
         batch_size=rows,
         batch_format="pyarrow",
@@ -179,16 +203,45 @@ def _read_prompt_files(source: PromptSource):
 
 
 def _pump(run: PoolRun, plan: ActorPlan) -> None:
-    """Chunks of rows from the pool to the sink (ledger + progress) until the pool is done; the
-    progress heartbeat starts before the prompts are read."""
+    """Chunks of rows from the pool to the sink (ledger + progress) until every prompt has a
+    row (passes over the missing ones); the progress heartbeat starts before the prompts are
+    read."""
     progress = Progress(len(run.todo), run.say, run.cfg.progress_interval_s, bar=run.bar)
     sink = RowSink(run.ledger, progress)
+    watch = PoolWatch(plan, run.cfg.node_lost_wait_s)
+    todo, passes = run.todo, 0
+    try:
+        with watch:
+            while todo and passes < REDO_PASSES:
+                if passes:
+                    run.say(f"{len(todo)} prompt(s) came back without a row (a batch retried after its actor or node "
+                            f"was lost): running them again (pass {passes + 1} of {REDO_PASSES})")
+                passes += 1
+                _drain(run, plan, todo, sink)
+                todo = sink.missing(todo)
+        if todo:
+            run.say(f"ERROR: {len(todo)} prompt(s) still have no row after {REDO_PASSES} passes: recorded as failed")
+            sink.put(_unreturned(run, todo))
+        sink.close()
+    except JobInterrupted:
+        if watch.lost:
+            raise PoolLost(watch.lost) from None
+        raise
+    finally:
+        try:
+            sink.stop()  # what arrived is written
+        finally:
+            run.stats.update(passes=passes, duplicates_dropped=sink.duplicates,
+                             actor_restarts=actor_restarts(run.ledger.rows()["actor_id"].to_pylist()))
+
+
+def _drain(run: PoolRun, plan: ActorPlan, todo: list[str], sink: RowSink) -> None:
+    """One pool over `todo`: every chunk it yields into the sink."""
     batches = iter(())
     try:
-        batches = iter(_dataset(run, plan).iter_batches(batch_size=None, batch_format="pyarrow"))
+        batches = iter(_dataset(run, plan, todo).iter_batches(batch_size=None, batch_format="pyarrow"))
         for chunk in batches:
             sink.put(unpack(chunk))
-        sink.close()
     except (StorageUnavailable, JobInterrupted):
         raise
     except Exception as e:  # noqa: BLE001 - a failed execution: a store, or a bug
@@ -200,9 +253,15 @@ def _pump(run: PoolRun, plan: ActorPlan) -> None:
             raise refused from None
         raise
     finally:
-        try:
-            sink.stop()  # what arrived is written
-        finally:
-            close = getattr(batches, "close", None)
-            if close is not None:
-                close()  # stops the pool when we leave early
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()  # stops the pool when we leave early
+
+
+def _unreturned(run: PoolRun, ids: list[str]) -> pa.Table:
+    """Failed rows for prompts the pool never returned a row for."""
+    cfg = run.cfg
+    ctx = RowContext(job_id=cfg.job_id, bundle=cfg.bundle, method=cfg.decode.method, config_hash=cfg.config_hash(),
+                     run_id=run.run_id, actor_id="driver", node_id="driver")
+    why = f"no row came back from the actor pool in {REDO_PASSES} passes (actors or nodes lost)"
+    return to_table([failed_row(ctx, pid, None, why) for pid in ids])

@@ -7,6 +7,13 @@ WRITE_GAP_S of the last write, go into the next part together, so a fast pool on
 store writes a few larger parts instead of one part per image. The same thread ticks the
 progress every TICK_S, so the heartbeat goes on while no image finishes (actors loading).
 
+Each prompt's row is taken once: a chunk's rows for prompts that already have a row in this
+run are dropped (`duplicates` counts them). They come from a batch that Ray retried after
+its actor died mid-batch: the retry re-runs the whole batch, and Ray hands on only the
+chunks past the ones the first attempt already delivered (it matches them by position, not
+by content), so the retry's chunks can repeat rows as well as miss some. The driver runs
+the missing ones again (pipeline.execute); `seen` says which came back.
+
 Shape of the hand-off: `put` blocks while QUEUE_CHUNKS chunks wait (backpressure on Ray
 Data, as when the main thread wrote itself); a write that fails (StorageUnavailable) stops
 the sink and is raised by the next `put` or by `close`.
@@ -39,13 +46,32 @@ class RowSink:
         self.write_gap_s, self.tick_s = write_gap_s, tick_s
         self.queue: queue.Queue = queue.Queue(maxsize=QUEUE_CHUNKS)
         self.error: Optional[BaseException] = None
+        self.seen: set[str] = set()  # prompt ids with a row in this run
+        self.duplicates = 0  # rows dropped: their prompt already had one
         self.thread = threading.Thread(target=self._run, name="row-sink", daemon=True)
         self.thread.start()
 
     # ---- main thread ----------------------------------------------------------------------
     def put(self, table: pa.Table) -> None:
-        """Hand one chunk of rows over (blocks while the queue is full); raises the sink's error."""
-        self._put(table)
+        """Hand one chunk of rows over (blocks while the queue is full); raises the sink's error.
+        Rows of prompts that already have a row in this run are dropped (counted)."""
+        keep = [self._first(i) for i in table["prompt_id"].to_pylist()]
+        if not all(keep):
+            self.duplicates += len(keep) - sum(keep)
+            table = table.filter(pa.array(keep, pa.bool_()))
+        if table.num_rows:
+            self._put(table)
+
+    def _first(self, prompt_id: str) -> bool:
+        """True the first time this run sees `prompt_id`'s row."""
+        if prompt_id in self.seen:
+            return False
+        self.seen.add(prompt_id)
+        return True
+
+    def missing(self, ids: list[str]) -> list[str]:
+        """The ids among `ids` that have no row yet (in their order)."""
+        return [i for i in ids if i not in self.seen]
 
     def close(self) -> None:
         """Write every chunk handed over and stop; raises the sink's error."""

@@ -4,6 +4,10 @@
 - `kill_once_worker(marker)`: SIGKILLs its own actor process once, right after storing the
   first image of a batch of several prompts (mid-batch), so Ray restarts the actor and
   retries the batch.
+- `kill_recut_worker(marker)`: as kill_once_worker, but the killed attempt hands each row on
+  as a chunk of its own and the retry hands the batch on as one chunk, so the retry's chunks
+  line up with none of the first attempt's (Ray passes on a retry's chunks by position):
+  without the driver's redo pass, the batch's unfinished prompts would get no row.
 - `paced_worker(seconds)`: takes at least `seconds` per image, like a bigger model, so that
   images finish one by one at a known pace whatever the machine's load.
 """
@@ -28,6 +32,10 @@ def kill_once_worker(marker: Path) -> type:
     """The worker class whose first actor to store an image mid-batch creates `marker` and
     kills itself (once per marker file)."""
     return type("KillOnceWorker", (_KillOnce,), {"marker": str(marker)})
+
+
+def kill_recut_worker(marker: Path, after_images: int = 2) -> type:
+    return type("KillRecutWorker", (_KillRecut,), {"marker": str(marker), "after_images": after_images})
 
 
 def paced_worker(seconds: float) -> type:
@@ -69,3 +77,23 @@ class _KillOnce(GeneratorWorker):
         os.write(fd, f"{os.getpid()}\n".encode())
         os.close(fd)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _KillRecut(_KillOnce):
+    after_images = 2
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stored = 0
+
+    def __call__(self, batch):
+        import pipeline.worker as w
+
+        first = not os.path.exists(self.marker)
+        w.YIELD_EVERY_S = 0.0 if first else 1e9  # this process only: per row, then per batch
+        yield from super().__call__(batch)
+
+    def _die_once(self) -> None:
+        self.stored += 1
+        if self.stored > self.after_images:
+            super()._die_once()
