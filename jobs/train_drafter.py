@@ -29,7 +29,9 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -337,10 +339,10 @@ def run(cfg: TrainDrafterConfig, say: Callable[[str], None]) -> int:
                        f"(this job trains heads for: {', '.join(sorted(HEADS))})", EXIT_NO_HEAD)
     out = open_storage(cfg.out, cfg.storage)
     probe_writable(out)
+    check_saved_config(out, cfg)  # before the finished-output check: another config must not get the old drafter
     if out.exists(RESULT_FILE):
         say(f"{out.uri_for(RESULT_FILE)} exists: this output already holds a finished drafter")
         return EXIT_OK
-    check_saved_config(out, cfg)
     say(f"config {cfg.config_hash()} saved to {out.uri_for(CONFIG_FILE)}")
 
     from jobs.train.distill import data_job_config
@@ -351,6 +353,7 @@ def run(cfg: TrainDrafterConfig, say: Callable[[str], None]) -> int:
     try:
         started = connect(data_job_config(cfg.bundle, cfg.prompts or cfg.out, cfg.out, 1, 1, cfg.storage,
                                           cfg.ray_address, "connect"), say)
+        interrupt_on_sigterm()  # ray.init in the main thread installs its own SIGTERM handler (exit 1, no line)
         return _run_on_ray(cfg, out, bundle, say, t_job)
     except ClusterUnavailable as e:
         raise JobError(str(e), EXIT_NO_RESOURCES) from None
@@ -463,7 +466,28 @@ def overrides_from(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def interrupt_on_sigterm() -> None:
+    """SIGTERM (a scheduler's stop, `ray job stop`, a preempted node) ends the job like Ctrl-C:
+    one line and exit 6; the checkpoints written so far resume on the next run."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupted)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    previous = signal.getsignal(signal.SIGTERM)
+    interrupt_on_sigterm()
+    try:
+        return _main(argv)
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)  # callers in this process (tests) keep theirs
+
+
+def _main(argv: Optional[list[str]]) -> int:
     args = vars(build_parser().parse_args(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

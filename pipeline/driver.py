@@ -316,7 +316,7 @@ def _summarize(run: _Run) -> tuple[dict[str, Any], int]:
         job_id=cfg.job_id, run_id=run.run_id, config_hash=cfg.config_hash(), input=run.source.uri,
         output=run.output.uri, device=plan.device if plan else None, num_actors=plan.num_actors if plan else 0,
         method=cfg.decode.method, engine_batch=cfg.decode.batch_size, budget=_budget(cfg),
-        job_ok=statuses.count("ok"), job_failed=statuses.count("failed"), durable_rows=run.ledger.rows_written,
+        job_ok=statuses.count("ok"), job_failed=statuses.count("failed"), durable_rows=run.ledger.rows_written, ledger_parts=run.ledger.seq,
         status={EXIT_INTERRUPTED: "interrupted", EXIT_STORAGE_UNAVAILABLE: "storage unavailable",
                 EXIT_NO_RESOURCES: "cluster lost"}.get(code, "done"),
         exit_code=code, error=str(run.stopped) if run.stopped else None,

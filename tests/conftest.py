@@ -1,17 +1,10 @@
 """Fixtures shared by every test package: a loopback S3 server (moto), dummy AWS credentials,
 and one in-process Ray for the whole session (the jobs and pipeline tests share it)."""
 
-import uuid
-
 import pytest
 
-DUMMY_AWS = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_SESSION_TOKEN": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "AWS_EC2_METADATA_DISABLED": "true",  # skip the 5 s instance-metadata probe
-}
+from session_ray import DUMMY_AWS, init_session_ray  # noqa: F401 - DUMMY_AWS: aws_env
+
 
 
 @pytest.fixture(scope="session")
@@ -39,29 +32,13 @@ def aws_env(monkeypatch):
 @pytest.fixture(scope="session")
 def ray_session():
     """One in-process Ray for every Ray test in the session (ray.init and shutdown cost ~10 s
-    on one core, and ~0.6 GB). Its workers get the dummy AWS credentials. num_cpus is
-    declared above the 2 real cores so actors plus read/write tasks always fit (see
-    ray_notes: the 2-core deadlock)."""
+    on one core, and ~0.6 GB): `init_session_ray`."""
     import ray
 
     if ray.is_initialized():
         yield ray
         return
-    ray.init(
-        # "local": always a new instance, never a cluster another process left in
-        # /tmp/ray/ray_current_cluster (a multi-node test's head, a `ray start`)
-        address="local",
-        num_cpus=4,
-        num_gpus=0,
-        object_store_memory=256 * 1024**2,
-        include_dashboard=False,
-        log_to_driver=True,
-        runtime_env={"env_vars": dict(DUMMY_AWS)},
-        namespace="tests-" + uuid.uuid4().hex[:6],
-        # Ray starts workers at niceness 15; on a machine shared with other work that starves
-        # the actors. Run them at normal priority, like the test process itself.
-        _system_config={"worker_niceness": 0},
-    )
+    init_session_ray()
     try:
         yield ray
     finally:

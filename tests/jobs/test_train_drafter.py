@@ -175,7 +175,10 @@ def _driver(args: list[str], env: dict, log: Path) -> subprocess.Popen:
                             stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def test_driver_killed_mid_run_resumes(baseline, bundle_dir, tmp_path):
+def test_driver_stopped_by_sigterm_exits_6_in_one_line_and_resumes(baseline, bundle_dir, tmp_path):
+    """SIGTERM (a scheduler's stop; what a preempted node gets first) to the real driver mid-run:
+    exit 6 with one line, no traceback; the same command then resumes from a checkpoint recorded
+    before the stop and ends with the uninterrupted run's weights."""
     out = tmp_path / "out"
     log = tmp_path / "driver.log"
     temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # the drivers' local Ray (short: socket paths have a limit)
@@ -191,11 +194,15 @@ def test_driver_killed_mid_run_resumes(baseline, bundle_dir, tmp_path):
                 break
             time.sleep(0.2)
         assert proc.poll() is None, f"driver ended early: {log.read_text()[-3000:]}"
-        os.kill(proc.pid, signal.SIGKILL)  # the driver
-        proc.wait(30)
+        os.kill(proc.pid, signal.SIGTERM)  # the driver
+        stopped = proc.wait(60)
     finally:
         _reap(proc, temp)  # and at once its local Ray: nothing of the run goes on once killed_at is read
     killed_at = metric_steps(out)[-1]
+    text = log.read_text()
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert stopped == 6 and errors == ["error: interrupted; run the same command again to resume"], text[-3000:]
+    assert "Traceback" not in text
     assert 6 <= killed_at < STEPS and not (out / "result.json").exists()
     proc = _driver(args, env, log)
     try:
@@ -211,6 +218,15 @@ def test_driver_killed_mid_run_resumes(baseline, bundle_dir, tmp_path):
         torch.testing.assert_close(state["model"][k], ref["model"][k], rtol=1e-5, atol=1e-6)
     assert metric_steps(out) == metric_steps(baseline)
     assert json.loads((out / "result.json").read_text())["steps"] == STEPS
+
+
+def test_another_config_into_a_finished_output_is_refused(baseline, bundle_dir, prompts, capsys):
+    """A finished OUT and a changed --steps: exit 2 naming the saved config, not the old drafter."""
+    code = train_drafter.main(TINY + ["--bundle", str(bundle_dir), "--prompts", str(prompts), "--out", str(baseline),
+                                      "--set", "eval.limit=2", "--set", "eval.max_tokens=8",
+                                      "--set", "eval.methods=[eagle2]", "--set", f"train.steps={STEPS * 2}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "holds a run with another config" in err and "choose another --out" in err
 
 
 def _checkpoint_recorded(out) -> bool:

@@ -8,6 +8,8 @@
   as a chunk of its own and the retry hands the batch on as one chunk, so the retry's chunks
   line up with none of the first attempt's (Ray passes on a retry's chunks by position):
   without the driver's redo pass, the batch's unfinished prompts would get no row.
+- `placed(cls, folder)`: `cls` that also writes, as each actor starts, where Ray placed it
+  (actor id, node id, GPU ids, process id, engine device) as one JSON file in `folder`.
 - `paced_worker(seconds)`: takes at least `seconds` per image, like a bigger model, so that
   images finish one by one at a known pace whatever the machine's load.
 """
@@ -36,6 +38,16 @@ def kill_once_worker(marker: Path) -> type:
 
 def kill_recut_worker(marker: Path, after_images: int = 2) -> type:
     return type("KillRecutWorker", (_KillRecut,), {"marker": str(marker), "after_images": after_images})
+
+
+def placed(cls: type, folder: Path) -> type:
+    return type("Placed" + cls.__name__, (_Placed, cls), {"folder": str(folder)})
+
+
+def placements(folder: Path) -> list[dict]:
+    import json
+
+    return [json.loads(p.read_text()) for p in sorted(Path(folder).glob("*.json"))]
 
 
 def paced_worker(seconds: float) -> type:
@@ -97,3 +109,16 @@ class _KillRecut(_KillOnce):
         self.stored += 1
         if self.stored > self.after_images:
             super()._die_once()
+
+
+class _Placed(GeneratorWorker):
+    folder = ""
+
+    def __init__(self, *args, **kwargs):
+        import json
+
+        super().__init__(*args, **kwargs)
+        ctx = ray.get_runtime_context()
+        doc = {"actor_id": ctx.get_actor_id(), "node_id": ctx.get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+               "pid": os.getpid(), "device": self.device}
+        Path(self.folder, f"{os.getpid()}.json").write_text(json.dumps(doc))

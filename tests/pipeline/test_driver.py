@@ -12,7 +12,7 @@ from pipeline.config import ConfigError, StorageSettings, build_config
 from pipeline.cluster import ClusterUnavailable, plan_actors
 from pipeline.driver import EXIT_BAD_INPUT, EXIT_OK, EXIT_ROWS_FAILED, main_guarded, run_job
 from pipeline.storage import image_key, open_storage
-from fault_worker import kill_once_worker
+from fault_worker import kill_recut_worker
 from pipeline_helpers import simple_rows, write_prompts
 
 FAST = {"method": "ar", "temperature": 0.0}
@@ -126,14 +126,18 @@ def test_partial_run_then_resume_with_an_actor_killed_mid_batch(tmp_path, ray_se
     assert main_guarded(job(tmp_path, src), stream=io.StringIO(), err=err) == EXIT_BAD_INPUT
     assert "--resume" in err.getvalue()
 
-    # Resume with a test-only worker that SIGKILLs its actor after it stored an image in the
-    # middle of a batch: Ray restarts it and retries the batch.
+    # Resume with a test-only worker that SIGKILLs its actor after it stored two images in the
+    # middle of a batch, having handed on the first one's row: Ray restarts it and retries the
+    # batch, whose rows now come as one chunk, at the position of the one already delivered, so
+    # Ray drops it (the issue-28 loss: exit 0 with prompts unrecorded). The driver runs the two
+    # prompts with no row again in a second pass.
     marker = tmp_path / "killed.marker"
     second = run_job(job(tmp_path, src, resume=True, batch_size=3, num_actors=1), stream=io.StringIO(),
-                     worker=kill_once_worker(marker))
+                     worker=kill_recut_worker(marker, after_images=1))
     assert marker.exists()  # the fault fired
     s = second.summary
     assert (second.exit_code, s["ok"], s["failed"], s["skipped"], s["job_ok"]) == (EXIT_OK, 5, 0, 3, 8)
+    assert (s["actor_restarts"], s["pool_passes"], s["duplicate_rows_dropped"]) == (1, 2, 0)
     after = {p.name: p.stat().st_mtime_ns for p in img_dir.iterdir() if p.name != "metadata.parquet"}
     assert {k: after[k] for k in before} == before  # done images untouched
     assert sorted(after) == [f"{r['prompt_id']}.png" for r in rows]  # every image once, no temp leftovers

@@ -1,0 +1,177 @@
+"""How the pipeline itself scales with the prompt count: a synthetic prompt set (made here, not
+shipped) through the real job (pipeline.driver.run_job: prompt read and selection, Ray Data's
+actor pool, the driver's row sink and ledger, compaction, summary) with a stand-in engine that
+costs nothing: `NullWorker`, a benchmark-only actor class that answers each prompt with an ok
+row at once (no model; with --images, a constant 1x1 PNG stored under the prompt's key like a
+real image). What it measures is the pipeline's ceiling, not a model's speed.
+
+    python -m jobs.scale --rows 10000,100000,1000000 [--s3] [--images] [--json F] [--plot F]
+    make scale
+
+Per size: rows/s while the pool ran, time to the first durable row, the driver's peak RSS,
+the object store's peak use, the ledger's parts / bytes / write rate, and a resume from a
+ledger holding the first half (its selection time: what it read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.config import JobConfig, build_config
+from pipeline.storage import image_key, open_storage
+from pipeline.telemetry import STATUS_OK, RowContext, _base_row
+from pipeline.worker import _ray_context, pack
+
+PNG_1x1 = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+                        "1f15c4890000000d4944415478da63f8cfc0f01f0005000201e2215bc40000000049454e44ae426082")
+
+
+class NullWorker:
+    """Benchmark-only stand-in for GeneratorWorker: one ok row per prompt, no engine."""
+
+    def __init__(self, config: dict, device: Optional[str] = None, num_threads: Optional[int] = None,
+                 run_id: Optional[str] = None):
+        self.cfg = JobConfig.model_validate(config)
+        self.images = os.environ.get("ADT_SCALE_IMAGES") == "1"
+        self.storage = open_storage(self.cfg.output, self.cfg.storage) if self.images else None
+        actor, node, _ = _ray_context()
+        self.ctx = RowContext(job_id=self.cfg.job_id, bundle="null", method=self.cfg.decode.method,
+                              config_hash=self.cfg.config_hash(), run_id=run_id, actor_id=actor, node_id=node)
+
+    def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
+        rows = []
+        for pid, seed in zip(batch["prompt_id"].to_pylist(), batch["seed"].to_pylist()):
+            row = _base_row(self.ctx, pid, seed, None)
+            if self.images:
+                row["image_key"] = image_key(pid)
+                self.storage.put_bytes(row["image_key"], PNG_1x1, "image/png")
+            row["status"] = STATUS_OK
+            rows.append(row)
+        yield pack(rows)
+
+
+def make_prompts(path: Path, n: int) -> Path:
+    """n synthetic prompts (prompt_id, prompt, seed) in one Parquet file, written in slices."""
+    schema = pa.schema([("prompt_id", pa.string()), ("prompt", pa.string()), ("seed", pa.int64())])
+    with pq.ParquetWriter(path, schema) as w:
+        for start in range(0, n, 1_000_000):
+            ids = range(start, min(n, start + 1_000_000))
+            w.write_table(pa.table({"prompt_id": [f"s{i:09d}" for i in ids],
+                                    "prompt": [f"a smiling face number {i % 977}" for i in ids],
+                                    "seed": pa.array(ids, pa.int64())}, schema=schema))
+    return path
+
+
+class _Sampler:
+    """Peak driver RSS and object-store use, sampled every `every_s` in a thread."""
+
+    def __init__(self, every_s: float = 0.5):
+        import psutil
+
+        self.proc, self.every_s = psutil.Process(), every_s
+        self.rss = self.store = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        import ray
+
+        while not self._stop.wait(self.every_s):
+            self.rss = max(self.rss, self.proc.memory_info().rss)
+            try:
+                if ray.is_initialized():
+                    total = ray.cluster_resources().get("object_store_memory", 0)
+                    free = ray.available_resources().get("object_store_memory", total)
+                    self.store = max(self.store, total - free)
+            except Exception:  # noqa: BLE001 - sampling only
+                pass
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
+def _ledger(out: str, cfg: JobConfig) -> dict[str, Any]:
+    store = open_storage(out, cfg.storage)
+    keys = [k for k in store.list_keys("telemetry") if k.endswith(".parquet")]
+    return {"files": len(keys)}
+
+
+def run_size(n: int, root: Path, output: str, actors: int, images: bool, storage: dict) -> dict[str, Any]:
+    """One size: a full run, then a run of the first half and a resume of the rest."""
+    from pipeline.driver import run_job
+
+    src = make_prompts(root / f"prompts_{n}.parquet", n)
+    os.environ["ADT_SCALE_IMAGES"] = "1" if images else "0"
+    rows_per_call = max(64, min(4096, n // (actors * 16)))
+    base = {"job_id": "scale", "bundle": "random:0", "input": str(src), "num_actors": actors,
+            "batch_size": rows_per_call, "decode": {"method": "ar"}, "progress": False, "device": "cpu",
+            "progress_interval_s": 3600, "storage": storage}
+    full = build_config(base | {"output": f"{output}/full_{n}"})
+    with _Sampler() as s:
+        t0 = time.perf_counter()
+        res = run_job(full, stream=io.StringIO(), worker=NullWorker)
+        job_s = time.perf_counter() - t0
+    assert res.exit_code == 0 and res.summary["ok"] == n, res.summary
+    half = build_config(base | {"output": f"{output}/half_{n}", "limit": max(1, n // 2)})
+    assert run_job(half, stream=io.StringIO(), worker=NullWorker).exit_code == 0
+    t1 = time.perf_counter()
+    again = run_job(half.model_copy(update={"limit": None, "resume": True}), stream=io.StringIO(), worker=NullWorker)
+    resume_s = time.perf_counter() - t1
+    assert again.exit_code == 0 and again.summary["skipped"] == n // 2 and again.summary["job_ok"] == n
+    exec_s = res.summary["wall_time_s"]
+    return {"rows": n, "rows_per_s": n / exec_s, "pool_s": exec_s, "job_s": job_s,
+            "start_s": job_s - exec_s, "driver_rss_mb": s.rss / 2**20, "object_store_peak_mb": s.store / 2**20,
+            "ledger_parts": res.summary["ledger_parts"], "rows_per_call": rows_per_call,
+            "resume_s": resume_s, "resume_start_s": again.summary["job_wall_time_s"] - again.summary["wall_time_s"],
+            **_ledger(f"{output}/full_{n}", full)}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="10000,100000", help="comma-separated prompt counts")
+    p.add_argument("--actors", type=int, default=2)
+    p.add_argument("--images", action="store_true", help="store a constant 1x1 PNG per prompt")
+    p.add_argument("--s3", metavar="ENDPOINT", help="write to this S3-compatible endpoint (bucket 'scale')")
+    p.add_argument("--json", help="append one JSON line per size here")
+    args = p.parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="scale"))
+    storage: dict = {}
+    output = str(root / "out")
+    if args.s3:
+        import boto3
+
+        boto3.client("s3", endpoint_url=args.s3, region_name="us-east-1").create_bucket(Bucket="scale")
+        storage, output = {"endpoint_url": args.s3}, "s3://scale/run"
+    try:
+        for n in [int(x) for x in args.rows.split(",")]:
+            got = run_size(n, root, output, args.actors, args.images, storage)
+            got["store"] = "s3" if args.s3 else "local"
+            print(json.dumps(got), flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(got) + "\n")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

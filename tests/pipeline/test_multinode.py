@@ -1,0 +1,219 @@
+"""The job on a real multi-node Ray cluster (`ray.cluster_utils.Cluster`: real raylets on this
+machine): a head with no CPUs and two GPU worker nodes of 2 CPUs and 1 logical GPU each. Actors
+reserve the logical GPUs (num_gpus=1) and their engines compute on CPU (the documented test
+override ADT_ENGINE_ON_CPU=1). One cluster for the module; the driver (this process) stays
+connected to it, and the session's in-process Ray is restarted afterwards.
+
+- one job: one actor per GPU spread over the nodes (node and GPU id asserted per actor), an
+  actor SIGKILLed mid-batch and a GPU node removed mid-run -> exit 0, every prompt exactly
+  once (images, telemetry rows), restarts counted;
+- every GPU node lost mid-run -> exit 3 with one error line; --resume on the cluster with no
+  GPU node asks the autoscaler and waits, a GPU node joins, the pool starts on it and does
+  only what is missing.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from fault_worker import kill_once_worker, paced_worker, placed, placements
+from pipeline.config import build_config
+from pipeline.driver import EXIT_NO_RESOURCES, EXIT_OK, run_job
+from pipeline.execute import CPU_ENGINE_ENV
+from pipeline_helpers import simple_rows, write_prompts
+
+pytestmark = pytest.mark.slow
+
+NODE = dict(num_cpus=2, num_gpus=1, object_store_memory=80 * 1024**2)
+FAST_HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3, "health_check_initial_delay_ms": 0,
+               "worker_niceness": 0}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from session_ray import DUMMY_AWS, init_session_ray
+
+    had_session = ray.is_initialized()
+    if had_session:
+        ray.shutdown()
+    c = Cluster(initialize_head=True, connect=False,
+                head_node_args=dict(num_cpus=0, object_store_memory=80 * 1024**2, include_dashboard=False,
+                                    _system_config=FAST_HEALTH))
+    c.gpu_nodes = [c.add_node(**NODE) for _ in range(2)]
+    c.wait_for_nodes()
+    saved = os.environ.get(CPU_ENGINE_ENV)
+    os.environ[CPU_ENGINE_ENV] = "1"
+    ray.init(address=c.address, runtime_env={"env_vars": dict(DUMMY_AWS)}, log_to_driver=True)
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        if saved is None:
+            os.environ.pop(CPU_ENGINE_ENV, None)
+        else:
+            os.environ[CPU_ENGINE_ENV] = saved
+        if had_session:
+            init_session_ray()
+
+
+def _add_gpu_node(cluster):
+    """A GPU node joins (from the watcher thread: Ray's node start-up sets a SIGTERM handler,
+    which only the main thread may; the test process keeps its own)."""
+    import ray._private.utils as ray_utils
+
+    saved = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        node = cluster.add_node(**NODE)
+    finally:
+        ray_utils.set_sigterm_handler = saved
+    cluster.gpu_nodes.append(node)
+    return node
+
+
+def _recorded_demand() -> str:
+    """The resource request an autoscaler reads (v1: a KV entry; v2: cluster constraints)."""
+    import json
+
+    import ray
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+
+    if is_autoscaler_v2():
+        from ray.autoscaler.v2.sdk import get_cluster_resource_constraints
+
+        return str([str(c) for c in get_cluster_resource_constraints(ray.get_runtime_context().gcs_address)])
+    from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)
+    return json.dumps(json.loads(raw) if raw else [])
+
+
+def _job(tmp_path, cluster, n, **over):
+    src = write_prompts(tmp_path / "p.parquet", simple_rows(n))
+    data = {"job_id": "mn", "bundle": "random:0", "input": str(src), "output": str(tmp_path / "out"),
+            "device": "cuda", "gpu_wait_s": 0, "ray_address": cluster.address, "batch_size": 2,
+            "decode": {"method": "ar", "temperature": 0.0, "batch_size": 2}, "progress": False}
+    data.update(over)
+    return build_config(data)
+
+
+def _images(out: Path) -> list[str]:
+    d = out / "images"
+    return sorted(p.name for p in d.iterdir() if p.name != "metadata.parquet") if d.is_dir() else []
+
+
+def _rows(out: Path) -> Counter:
+    ids: list[str] = []
+    for f in (out / "telemetry").glob("*.parquet"):
+        ids += pq.read_table(f, columns=["prompt_id"])["prompt_id"].to_pylist()
+    return Counter(ids)
+
+
+def _when_images(out: Path, n: int, then) -> threading.Thread:
+    def watch():
+        deadline = time.monotonic() + 300
+        while len(_images(out)) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        then()
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def _alive_gpu_nodes():
+    import ray
+
+    return [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU")]
+
+
+def test_actors_placed_per_gpu_survive_a_killed_actor_and_a_lost_node(tmp_path, cluster):
+    rows = simple_rows(24)
+    out = tmp_path / "out"
+    probe = tmp_path / "placed"
+    probe.mkdir()
+    worker = placed(type("PacedKill", (kill_once_worker(tmp_path / "killed"), paced_worker(0.3)), {}), probe)
+    cfg = _job(tmp_path, cluster, len(rows), num_actors=2)
+    first_nodes = {n["NodeID"] for n in _alive_gpu_nodes()}
+    lost = []
+
+    def lose_one():
+        node = cluster.gpu_nodes.pop(0)
+        lost.append(node.node_id)
+        cluster.remove_node(node, allow_graceful=False)
+
+    watcher = _when_images(out, 6, lose_one)
+    text = io.StringIO()
+    res = run_job(cfg, stream=text, worker=worker)
+    watcher.join()
+    log = text.getvalue()
+    assert res.exit_code == EXIT_OK, log[-3000:]
+    assert (tmp_path / "killed").exists() and lost  # both faults fired
+    # every prompt exactly once: one image each, one telemetry row each
+    assert _images(out) == [f"{r['prompt_id']}.png" for r in rows]
+    assert _rows(out) == Counter(r["prompt_id"] for r in rows)
+    s = res.summary
+    assert (s["ok"], s["failed"], s["job_ok"]) == (24, 0, 24)
+    assert s["actor_restarts"] >= 1 and "actor restart(s)" in log
+    # placement: an actor on each GPU node, each holding that node's one logical GPU, engine on CPU
+    placed_at = placements(probe)
+    assert {p["node_id"] for p in placed_at if p["node_id"] in first_nodes} == first_nodes
+    assert all(p["gpu_ids"] == ["0"] and p["device"] == "cpu" for p in placed_at)
+
+
+def test_every_gpu_node_lost_exits_3_and_resume_waits_for_a_joining_node(tmp_path, cluster):
+    rows = simple_rows(16)
+    out = tmp_path / "out"
+    cfg = _job(tmp_path, cluster, len(rows), num_actors=len(cluster.gpu_nodes), node_lost_wait_s=2)
+
+    def lose_all():
+        while cluster.gpu_nodes:
+            cluster.remove_node(cluster.gpu_nodes.pop(), allow_graceful=False)
+
+    watcher = _when_images(out, 3, lose_all)
+    text = io.StringIO()
+    res = run_job(cfg, stream=text, worker=paced_worker(0.3))
+    watcher.join()
+    log = text.getvalue()
+    assert res.exit_code == EXIT_NO_RESOURCES, log[-3000:]
+    errors = [ln for ln in log.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and "left the cluster" in errors[0] and "--resume" in errors[0], errors
+    assert "Traceback" not in log and res.summary["status"] == "cluster lost"
+    done = _rows(out)
+    assert 3 <= len(done) < len(rows) and max(done.values()) == 1
+
+    # --resume on a cluster with no GPU node: the driver asks the autoscaler and waits
+    # (gpu_wait_s); a GPU node joins meanwhile and the pool starts on it.
+    again_text = io.StringIO()
+    joined = []
+
+    def join_when_asked():
+        deadline = time.monotonic() + 120
+        while "asking the autoscaler" not in again_text.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        joined.append(_recorded_demand())  # what an autoscaler would read from the GCS
+        joined.append(_add_gpu_node(cluster).node_id)
+
+    t = threading.Thread(target=join_when_asked, daemon=True)
+    t.start()
+    again = run_job(cfg.model_copy(update={"resume": True, "gpu_wait_s": 120}), stream=again_text)
+    t.join()
+    assert again.exit_code == EXIT_OK, again_text.getvalue()[-3000:]
+    assert (again.summary["skipped"], again.summary["processed"]) == (len(done), len(rows) - len(done))
+    assert _rows(out) == Counter(r["prompt_id"] for r in rows)
+    assert _images(out) == [f"{r['prompt_id']}.png" for r in rows]
+    new_rows = pq.read_table(out / "telemetry", columns=["run_id", "node_id"]).to_pylist()
+    assert "'GPU': 1.0" in joined[0] or '"GPU": 1.0' in joined[0], joined[0]  # the demand reached the GCS
+    assert {r["node_id"] for r in new_rows if r["run_id"] == again.summary["run_id"]} == {joined[1]}
