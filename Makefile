@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test run bench calibrate clean
+.PHONY: venv test run bench calibrate scale clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,6 +30,15 @@ bench: $(STAMP)
 	mkdir -p $(BENCH_OUT)
 	rm -f $(BENCH_OUT)/throughput.json
 	$(PY) -m jobs.bench --throughput $(BENCH_ARGS) --json $(BENCH_OUT)/throughput.json --chart $(BENCH_OUT)/throughput.png
+
+# the pipeline's own ceiling (docs/pipeline.md, "Scale"): synthetic prompt sets through the real job
+# with a null engine (jobs/scale.py), local folder then the loopback S3 server; one JSON line per size
+SCALE_ROWS ?= 10000,100000,1000000
+SCALE_OUT ?= outputs/scale
+scale: $(STAMP)
+	mkdir -p $(SCALE_OUT)
+	$(PY) -m jobs.scale --rows $(SCALE_ROWS) --json $(SCALE_OUT)/scale.jsonl
+	$(PY) -m jobs.scale --rows $(SCALE_ROWS) --json $(SCALE_OUT)/scale.jsonl --s3 moto
 
 calibrate: $(STAMP)
 	$(PY) -m jobs.bench --calibrate

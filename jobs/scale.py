@@ -5,7 +5,7 @@ costs nothing: `NullWorker`, a benchmark-only actor class that answers each prom
 row at once (no model; with --images, a constant 1x1 PNG stored under the prompt's key like a
 real image). What it measures is the pipeline's ceiling, not a model's speed.
 
-    python -m jobs.scale --rows 10000,100000,1000000 [--s3] [--images] [--json F] [--plot F]
+    python -m jobs.scale --rows 10000,100000,1000000 [--s3 ENDPOINT|moto] [--images] [--json F]
     make scale
 
 Per size: rows/s while the pool ran, time to the first durable row, the driver's peak RSS,
@@ -75,13 +75,17 @@ def make_prompts(path: Path, n: int) -> Path:
     return path
 
 
+def _rss_bytes() -> int:
+    """This process's resident set size now (Linux /proc)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 class _Sampler:
     """Peak driver RSS and object-store use, sampled every `every_s` in a thread."""
 
     def __init__(self, every_s: float = 0.5):
-        import psutil
-
-        self.proc, self.every_s = psutil.Process(), every_s
+        self.every_s = every_s
         self.rss = self.store = 0
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
@@ -90,7 +94,7 @@ class _Sampler:
         import ray
 
         while not self._stop.wait(self.every_s):
-            self.rss = max(self.rss, self.proc.memory_info().rss)
+            self.rss = max(self.rss, _rss_bytes())
             try:
                 if ray.is_initialized():
                     total = ray.cluster_resources().get("object_store_memory", 0)
@@ -149,17 +153,29 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--rows", default="10000,100000", help="comma-separated prompt counts")
     p.add_argument("--actors", type=int, default=2)
     p.add_argument("--images", action="store_true", help="store a constant 1x1 PNG per prompt")
-    p.add_argument("--s3", metavar="ENDPOINT", help="write to this S3-compatible endpoint (bucket 'scale')")
+    p.add_argument("--s3", metavar="ENDPOINT", help="write to this S3-compatible endpoint (bucket 'scale'); "
+                   "'moto' starts a loopback server in this process")
     p.add_argument("--json", help="append one JSON line per size here")
     args = p.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="scale"))
     storage: dict = {}
     output = str(root / "out")
+    server = None
     if args.s3:
         import boto3
 
-        boto3.client("s3", endpoint_url=args.s3, region_name="us-east-1").create_bucket(Bucket="scale")
-        storage, output = {"endpoint_url": args.s3}, "s3://scale/run"
+        endpoint = args.s3
+        if endpoint == "moto":  # a loopback S3-compatible server in this process, dummy credentials
+            from moto.server import ThreadedMotoServer
+
+            for k, v in {"AWS_ACCESS_KEY_ID": "scale", "AWS_SECRET_ACCESS_KEY": "scale",
+                         "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+                os.environ.setdefault(k, v)
+            server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+            server.start()
+            endpoint = "http://%s:%d" % server.get_host_and_port()
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="scale")
+        storage, output = {"endpoint_url": endpoint}, "s3://scale/run"
     try:
         for n in [int(x) for x in args.rows.split(",")]:
             got = run_size(n, root, output, args.actors, args.images, storage)
@@ -170,6 +186,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     f.write(json.dumps(got) + "\n")
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        if server is not None:
+            server.stop()
     return 0
 
 

@@ -24,7 +24,6 @@ the actor pool is placed on it.
 
 from __future__ import annotations
 
-import _thread
 import os
 import signal
 import socket
@@ -210,11 +209,12 @@ def can_host(node: dict, plan: ActorPlan) -> bool:
 class PoolWatch:
     """Ends the job when no live node can host an actor of `plan` for `wait_s` seconds: sets
     `lost` (the one line the job ends with) and interrupts the main thread, which is blocked in
-    Ray Data waiting for actors that cannot restart anywhere."""
+    Ray Data waiting for actors that cannot restart anywhere (`interrupt`: the driver's
+    `_Signals.interrupt`, a real SIGINT sent to the main thread)."""
 
-    def __init__(self, plan: ActorPlan, wait_s: float, poll_s: float = 1.0,
+    def __init__(self, plan: ActorPlan, wait_s: float, interrupt: Callable[[], None], poll_s: float = 1.0,
                  nodes_fn: Optional[Callable[[], list[dict]]] = None, clock: Callable[[], float] = time.monotonic):
-        self.plan, self.wait_s, self.poll_s, self.clock = plan, wait_s, poll_s, clock
+        self.plan, self.wait_s, self.interrupt, self.poll_s, self.clock = plan, wait_s, interrupt, poll_s, clock
         self.nodes_fn = nodes_fn
         self.lost: Optional[str] = None
         self._stop = threading.Event()
@@ -253,7 +253,7 @@ class PoolWatch:
             except Exception:  # noqa: BLE001 - the GCS busy or gone: look again
                 continue
             if self.lost:
-                _thread.interrupt_main(signal.SIGINT)  # the driver's handler raises JobInterrupted
+                self.interrupt()  # the driver's SIGINT handler raises JobInterrupted in its main thread
                 return
 
 

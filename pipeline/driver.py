@@ -31,7 +31,6 @@ Exit codes (EXIT_CODES; docs/pipeline.md):
 
 from __future__ import annotations
 
-import _thread
 import json
 import logging
 import os
@@ -135,6 +134,13 @@ class _Signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 prev = signal.signal(sig, self._handle)
                 self.previous.setdefault(sig, prev)
+
+    def interrupt(self) -> None:
+        """From another thread: raise JobInterrupted in the main thread, even while it waits in a
+        lock (a real SIGINT to that thread wakes it; _thread.interrupt_main only sets a flag that a
+        blocked Queue.get never reads). Nothing when the job runs outside the main thread."""
+        if self.active and self.previous:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     def restore(self) -> None:
         for sig, prev in self.previous.items():
@@ -264,10 +270,11 @@ def _generate(run: _Run) -> None:
     try:
         started = connect(run.cfg, run.say)
         run.signals.install()  # ray.init in the main thread installs its own SIGTERM handler
-        run.lease.on_lost = lambda: _thread.interrupt_main(signal.SIGINT)
+        run.lease.on_lost = run.signals.interrupt
         t_exec = time.perf_counter()
         bar = run.stream if run.say.terminal else None
-        pool = PoolRun(run.cfg, run.source, run.todo, run.ledger, run.say, run.run_id, bar, run.worker, run.pool)
+        pool = PoolRun(run.cfg, run.source, run.todo, run.ledger, run.say, run.run_id, bar, run.worker, run.pool,
+                       run.signals.interrupt)
         run.plan = execute(pool)
     except (JobInterrupted, StorageUnavailable, PoolLost) as e:
         run.stopped = e

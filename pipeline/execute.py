@@ -71,6 +71,7 @@ class PoolRun:
     bar: Optional[TextIO] = None  # a terminal: progress drawn as a bar there, else plain lines
     worker: type = GeneratorWorker  # the actor class (tests pass a subclass that injects faults)
     stats: dict = field(default_factory=dict)  # filled by execute: passes, actor restarts, duplicates dropped
+    interrupt: Callable[[], None] = lambda: None  # stops the main thread (raises JobInterrupted there)
 
 
 class JobInterrupted(BaseException):
@@ -208,7 +209,7 @@ def _pump(run: PoolRun, plan: ActorPlan) -> None:
     read."""
     progress = Progress(len(run.todo), run.say, run.cfg.progress_interval_s, bar=run.bar)
     sink = RowSink(run.ledger, progress)
-    watch = PoolWatch(plan, run.cfg.node_lost_wait_s)
+    watch = PoolWatch(plan, run.cfg.node_lost_wait_s, run.interrupt)
     todo, passes = run.todo, 0
     try:
         with watch:

@@ -3,11 +3,21 @@ waits a bounded, configurable time, then falls back (auto) or fails (cuda)."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from pipeline.cluster import (DEFAULT_GPU_WAIT_S, ClusterUnavailable, GpuDemand, gpu_wait_s, plan_actors,
                               plan_gpu_demand, wait_for_gpus)
 from pipeline.config import build_config
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Clock:
@@ -56,3 +66,43 @@ def test_no_gpus_after_the_wait_falls_back_or_fails_clearly():
     assert auto.device == "cpu" and "after waiting 60 s" in auto.notes[0]
     with pytest.raises(ClusterUnavailable, match=r"after waiting 60 s for the autoscaler \(--gpu-wait-s\)"):
         plan_actors(build_config({"device": "cuda"}), res, 10, can_grow=True, waited_s=60)
+
+
+def test_pool_watch_ends_the_job_once_no_node_can_host_an_actor_for_the_wait():
+    from pipeline.cluster import ActorPlan, PoolWatch
+
+    plan = ActorPlan("cuda", 2, 1.0, 1.0, 1)
+    gpu = {"Alive": True, "Resources": {"CPU": 2.0, "GPU": 1.0}}
+    nodes, clock, woken = [gpu], Clock(), []
+    watch = PoolWatch(plan, 30, lambda: woken.append(1), nodes_fn=lambda: nodes, clock=lambda: clock.now)
+    assert watch.check(None) is None
+    nodes[:] = [{"Alive": True, "Resources": {"CPU": 8.0}}, dict(gpu, Alive=False)]  # head only; the GPU node dead
+    since = watch.check(None)
+    clock.sleep(29)
+    assert watch.check(since) == since and watch.lost is None
+    nodes.append(gpu)  # one joined in time: the count starts again
+    assert watch.check(since) is None
+    nodes.pop()
+    since = watch.check(None)
+    clock.sleep(30)
+    watch.check(since)
+    assert "left the cluster and none joined within 30 s" in watch.lost and "1 GPU + 1 CPU" in watch.lost
+
+
+@pytest.mark.slow
+def test_real_local_ray_records_the_demand_with_a_custom_resource(tmp_path):
+    """A real Ray, `fake_gpu` standing in for GPUs: the autoscaler request lands in Ray's GCS."""
+    temp_dir = tempfile.mkdtemp(prefix="rgd", dir="/tmp")  # short: socket paths have a length limit
+    env = dict(os.environ, PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
+    env.pop("RAY_ADDRESS", None)
+    try:
+        done = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_demand_probe.py")), temp_dir],
+                              env=env, capture_output=True, text=True, timeout=240)
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["bundles"] == [{"fake_gpu": 1.0}, {"fake_gpu": 1.0}]
+    assert got["recorded"] and "fake_gpu" in json.dumps(got["recorded"])  # the autoscaler sees the demand
+    assert got["after"] == 0 and "0 of 2 fake_gpu joined" in got["notes"][-1]
+    assert got["cleared"] == []  # the demand ends with the job

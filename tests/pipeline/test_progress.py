@@ -212,3 +212,22 @@ def test_job_prints_progress_per_tenth_of_images_as_they_finish(tmp_path, ray_se
     assert any(d < n and t_last - t > 1.0 for t, d in moving), moving  # rows came back while the call ran
     text = "\n".join(line for _, line in stream.lines)
     assert "Total Progress" not in text and "report    python -m jobs.report" in text
+
+
+def test_sink_takes_each_prompt_once_and_says_which_are_missing(tmp_path):
+    """A retried batch's rows may repeat rows already delivered: the sink drops them (counted)."""
+    import pyarrow as pa
+
+    from pipeline.ledger import Ledger, read_telemetry
+    from pipeline.progress import Progress
+    from pipeline.progress_sink import RowSink
+    from pipeline.storage import open_storage
+
+    store = open_storage(str(tmp_path / "out"))
+    sink = RowSink(Ledger(store, "r"), Progress(4, lambda m: None, 3600))
+    rows = lambda ids: pa.table({"prompt_id": ids, "status": ["ok"] * len(ids)})  # noqa: E731
+    sink.put(rows(["a", "b"]))
+    sink.put(rows(["b", "c", "c"]))
+    sink.close()
+    assert sink.duplicates == 2 and sink.missing(["a", "b", "c", "d"]) == ["d"]
+    assert sorted(read_telemetry(store, columns=["prompt_id"])["prompt_id"].to_pylist()) == ["a", "b", "c"]
