@@ -20,6 +20,7 @@ def init_session_ray():
     import ray
 
     ray.init(
+        address="local",  # a new Ray, never one someone started with `ray start` on this host
         num_cpus=4,
         num_gpus=0,
         object_store_memory=256 * 1024**2,
