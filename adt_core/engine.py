@@ -172,7 +172,7 @@ class Generator:
         if key not in per_model:
             self._place_models()
             sizes = batch_sizes(self.config.batch_size)
-            # a typical mid-image state: LlamaGen's default, else a prompt plus half the image
+            # a typical mid-image state: the prompter's typical prompt row plus half the image
             prefix = int(self.prompter.typical_prompt) + self.layout.length // 2
             table = measure_target_cost(self.bundle.target, rows=self.cfg_rows, sizes=sizes, repeats=3, warmup=1,
                                         slots=self.config.batch_size, prefix_len=prefix)
