@@ -29,6 +29,7 @@ import torch
 
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, TreeConfig
 from adt_core.bundles.bundle import Bundle
+from adt_core.bundles.deepen import describe
 from adt_core.results import PromptFailure
 
 METHODS = {
@@ -147,7 +148,7 @@ def throughput(bundle: Bundle, args, prompts: list[str], seeds: list[int]) -> di
     if "floor" not in out:
         f = matmul_flops(args.device, bundle.target.config.dim)
         fpi = flops_per_image(bundle, cfg_rows)
-        out.update({"bundle": bundle.name, "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
+        out.update({"bundle": bundle.name, "target": describe(bundle.name), "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
                     "floor": {"matmul_flops": f, "flops_per_image": fpi, "images_per_s": f / fpi}, "cells": {}})
     for temp_s in args.temperatures.split(","):
         temp = None if temp_s.strip() == "default" else float(temp_s)
@@ -178,7 +179,7 @@ def throughput(bundle: Bundle, args, prompts: list[str], seeds: list[int]) -> di
 
 def report(out: dict, methods, batches, temps) -> None:
     cells, floor = out["cells"], out["floor"]["images_per_s"]
-    print(f"\nthroughput  bundle {out['bundle']}, {out['device']}/{out['dtype']}, {out['threads']} threads; "
+    print(f"\nthroughput  bundle {describe(out['bundle'])}, {out['device']}/{out['dtype']}, {out['threads']} threads; "
           f"compute floor {floor:.2f} images/s ({out['floor']['matmul_flops'] / 1e9:.1f} GFLOP/s matmul)")
     for t in temps:
         best_ar = max(cells[f"{t}|{b}|ar"]["images_per_s"] for b in batches)
