@@ -39,6 +39,18 @@ METHODS = {
 }
 
 
+def spec_for(method: str) -> dict | None:
+    """A method's DecodeConfig fields: one of METHODS, or "eagle2@DxKxN" (an EAGLE-2 tree of
+    depth D, top-k K, N kept nodes: the hand-sized trees the default is compared with)."""
+    name = method.rstrip("'")
+    if name in METHODS:
+        return METHODS[name]
+    if name.startswith("eagle2@"):
+        d, k, n = (int(x) for x in name[len("eagle2@"):].split("x"))
+        return dict(method="eagle2", tree=TreeConfig(depth=d, top_k=k, budget=n))
+    return None
+
+
 def matmul_flops(device: str, dim: int, dtype=torch.float32, rows: int = 2048, repeats: int = 5) -> float:
     """Measured FLOP/s of a (rows x dim) @ (dim x 4 dim) matmul, the shape of a wide forward."""
     a = torch.randn(rows, dim, device=device, dtype=dtype)
@@ -137,7 +149,7 @@ def summarise(gen: Generator, res: list, wall: float, cpu: float, clock: str) ->
 
 def throughput(bundle: Bundle, args, prompts: list[str], seeds: list[int]) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
-    methods = [m.strip() for m in args.methods.split(",") if m.strip() in METHODS] or list(METHODS)
+    methods = [m.strip() for m in args.methods.split(",") if spec_for(m.strip())] or list(METHODS)
     if "ar" not in methods:
         methods.insert(0, "ar")
     if getattr(args, "control", False):
@@ -157,7 +169,7 @@ def throughput(bundle: Bundle, args, prompts: list[str], seeds: list[int]) -> di
             todo = [m for m in methods if f"{temp_s.strip()}|{b}|{m}" not in out["cells"]]
             runs: dict[str, list[dict]] = {m: [] for m in todo}
             for order in (todo, todo[::-1])[: args.passes]:  # each pass: all methods at once, round by round
-                gens = {m: make_generator(bundle, METHODS[m.rstrip("'")], temp, b, ps, ss, args.device, args.dtype)
+                gens = {m: make_generator(bundle, spec_for(m), temp, b, ps, ss, args.device, args.dtype)
                         for m in order}
                 for m, cell in run_together(gens, ps, ss, getattr(args, "clock", "wall")).items():
                     runs[m].append(cell)
@@ -184,7 +196,7 @@ def report(out: dict, methods, batches, temps) -> None:
     for t in temps:
         best_ar = max(cells[f"{t}|{b}|ar"]["images_per_s"] for b in batches)
         print(f"\ntemperature={t}")
-        print(f"{'method':<8}{'batch':>6}{'images/s':>10}{'vs ar@batch':>12}{'vs best ar':>11}{'accept len':>11}"
+        print(f"{'method':<15}{'batch':>6}{'images/s':>10}{'vs ar@batch':>12}{'vs best ar':>11}{'accept len':>11}"
               f"{'nodes/rnd':>10}{'drafted':>8}{'ms/level':>9}  equals ar")
         for b in batches:
             ar = cells[f"{t}|{b}|ar"]
@@ -194,7 +206,7 @@ def report(out: dict, methods, batches, temps) -> None:
                 c["vs_best_ar"] = c["images_per_s"] / best_ar
                 exact = c["sampler"] in ("greedy", "coupled")
                 c["equals_ar"] = (c["tokens"] == ar["tokens"]) if exact else None
-                print(f"{m:<8}{b:>6}{c['images_per_s']:>10.3f}{c['vs_ar_same_batch']:>11.2f}x{c['vs_best_ar']:>10.2f}x"
+                print(f"{m:<15}{b:>6}{c['images_per_s']:>10.3f}{c['vs_ar_same_batch']:>11.2f}x{c['vs_best_ar']:>10.2f}x"
                       f"{c['mean_acceptance_length']:>11.2f}{c['nodes_per_round']:>10.1f}{c['draft_rounds_share']:>8.2f}"
                       f"{c.get('draft_ms_per_level', 0.0):>9.2f}  {c['equals_ar'] if exact else '-'}")
 
