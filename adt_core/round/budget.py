@@ -7,8 +7,8 @@ cost(A (1 + m)) whatever the slots' individual trees. The budget, per round:
 
 1. whether to draft at all (`BatchBudget`): a drafted round must commit tokens faster (EDGE = 1: the
    better rate, ties to plain steps) than the plain AR steps just before it with about as many slots
-   images grow and the batch refills; only neighbours compare), in the median of the latest
-   few such comparisons (one slow step on a shared machine must not start a run of losing
+   (a step's cost drifts as images grow and the batch refills; only neighbours compare), in the
+   median of the latest comparisons (one slow step on a shared machine must not start a run of losing
    drafts). Otherwise the round is a plain batched AR step (the drafter is not run, and it is
    not fed the pairs of plain steps it will not need; it catches up on the last few in one
    forward when drafting resumes). Slot counts share measurements by power of two. A count
