@@ -25,6 +25,7 @@ import torch
 
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, LanternConfig, TreeConfig, load_bundle, random_bundle
 from adt_core.bundles.bundle import Bundle
+from adt_core.bundles.deepen import deepen, describe
 from adt_core.calibrate import SIZES, measure_draft_level, measure_target_cost
 
 DEFAULT_METHODS = "ar,static,eagle2,adt,adt+cost,adt+lantern,adt+cost+lantern"
@@ -69,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m jobs.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bundle", default="emoji16", help="bundle name or directory, or 'random' for a random-init one")
+    ap.add_argument("--target-layers", type=int, default=None, metavar="N",
+                    help="deepen the target to N layers with null layers (adt_core/bundles/deepen.py): the bundle's "
+                         "own images at the cost of an N-layer target (emoji16 at 32: a Chameleon-7B-deep stand-in)")
     ap.add_argument("--prompts", default="examples/prompts.parquet", help="Parquet with prompt_id, prompt[, seed]")
     ap.add_argument("--limit", type=int, default=8, help="number of prompts to run")
     ap.add_argument("--methods", default=DEFAULT_METHODS,
@@ -116,9 +120,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def get_bundle(args) -> Bundle:
     if args.bundle == "random":
-        return random_bundle(seed=0, vocab=args.vocab, grid=tuple(args.grid), dim=args.dim, n_layer=args.layers,
-                             n_head=args.heads, caption_len=args.caption_len, caption_dim=64)
-    return load_bundle(args.bundle)
+        bundle = random_bundle(seed=0, vocab=args.vocab, grid=tuple(args.grid), dim=args.dim, n_layer=args.layers,
+                               n_head=args.heads, caption_len=args.caption_len, caption_dim=64)
+    else:
+        bundle = load_bundle(args.bundle)
+    layers = getattr(args, "target_layers", None)
+    return bundle if layers is None else deepen(bundle, layers)
 
 
 def read_prompts(path: str, limit: int) -> tuple[list[str], list[int]]:
@@ -137,7 +144,7 @@ def calibrate(bundle: Bundle, args) -> dict:
     rows = 2 if bundle.sampling.use_cfg else 1
     table = measure_target_cost(target, rows=rows, sizes=SIZES, repeats=args.repeats)
     params = sum(p.numel() for p in target.parameters())
-    print(f"target forward cost  bundle={bundle.name} params={params / 1e6:.1f}M device={args.device} "
+    print(f"target forward cost  bundle={describe(bundle.name)} params={params / 1e6:.1f}M device={args.device} "
           f"dtype={args.dtype} rows={rows} threads={torch.get_num_threads()}")
     print(f"{'new tokens':>10} {'ms':>9} {'x 1 token':>10}")
     for n, ms in table.ms.items():
@@ -147,7 +154,7 @@ def calibrate(bundle: Bundle, args) -> dict:
         drafter = bundle.drafter.to(args.device, getattr(torch, args.dtype))
         level = measure_draft_level(drafter, target.head, bundle.sampling.cfg_scale, rows, repeats=args.repeats)
         print(f"one draft level (top-10 frontier): {level:.2f} ms = {level / table.cost(1):.2f} x a 1-token step")
-    return {"bundle": bundle.name, "params": params, "device": args.device, "dtype": args.dtype, "rows": rows,
+    return {"bundle": bundle.name, "target": describe(bundle.name), "params": params, "device": args.device, "dtype": args.dtype, "rows": rows,
             "ms": table.ms, "ratio": {n: table.ratio(n) for n in table.ms}, "draft_level_ms": level}
 
 
@@ -201,7 +208,7 @@ def compare(bundle, specs: dict[str, dict], temperature, prompts, seeds, args, l
     greedy, and the coupled sampler at any temperature."""
     rows = {m: run_method(bundle, spec, temperature, prompts, seeds, args) for m, spec in specs.items()}
     ars = {r["sampler"]: r for m, r in rows.items() if specs[m]["method"] == "ar"}  # absent with --no-baseline
-    print(f"\n{label}  ({len(prompts)} prompts, bundle {bundle.name}, {args.device}/{args.dtype}, "
+    print(f"\n{label}  ({len(prompts)} prompts, bundle {describe(bundle.name)}, {args.device}/{args.dtype}, "
           f"{torch.get_num_threads()} threads)")
     print(f"{'method':<34}{'accept len':>11}{'acc/node':>9}{'target fwd':>11}{'nodes/rnd':>10}{'draft ms':>9}"
           f"{'verify ms':>10}{'s/image':>9}{'speedup':>9}  equals ar")
@@ -234,7 +241,7 @@ def bench(bundle: Bundle, args) -> dict:
         methods.insert(0, "ar")
     samplers = [x.strip() for x in args.samplers.split(",") if x.strip()]
     scores = [x.strip() for x in args.draft_scores.split(",") if x.strip()]
-    out = {"bundle": bundle.name, "device": args.device, "dtype": args.dtype, "prompts": len(prompts),
+    out = {"bundle": bundle.name, "target": describe(bundle.name), "device": args.device, "dtype": args.dtype, "prompts": len(prompts),
            "threads": torch.get_num_threads(), "tables": {}}
     if args.sweep:
         specs = variants({"ar": specs_all["ar"], "eagle2": specs_all["eagle2"], **sweep_specs()}, samplers[:1], scores[:1])

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from adt_core.bundles.deepen import describe
 from adt_core.calibrate import measure_target_cost
 from adt_core.families.llamagen.model import GPTConfig, LlamaGenGPT
 
@@ -58,7 +59,7 @@ def run(bundle, device: str, dtype: str, xl: bool, out_json: str | None) -> dict
     result = {}
     rows = 2 if bundle.sampling.use_cfg else 1
     target = bundle.target.to(device, getattr(torch, dtype))
-    result[f"{bundle.name} {dtype}"] = curves(target, rows)
+    result[f"{describe(bundle.name)} {dtype}"] = curves(target, rows)
     if xl:
         result["LlamaGen-XL shape (random) bfloat16"] = curves(xl_target(device, torch.bfloat16), 2)
     for name, table in result.items():

@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 allow_abbrev=False)
     p.add_argument("--output", default="outputs/study", help="Study prefix (path or s3://). [default: outputs/study]")
     p.add_argument("--input", default=DEFAULT_INPUT, help=f"Prompt Parquet (file, folder, s3://). [default: {DEFAULT_INPUT}]")
-    p.add_argument("--bundles", default="emoji16", help="Comma list of bundles. [default: emoji16]")
+    p.add_argument("--bundles", default="emoji16", help="Comma list of bundles (NAME@N: NAME deepened to N layers by null layers, e.g. emoji16@32, a 32-layer stand-in with the same images). [default: emoji16]")
     p.add_argument("--dtypes", default="float32", help="Comma list of decode.dtype values. [default: float32]")
     p.add_argument("--methods", default="ar,eagle2,adt", help="Comma list of methods. [default: ar,eagle2,adt]")
     p.add_argument("--batches", default="1,4,16", help="Comma list of decode.batch_size values. [default: 1,4,16]")

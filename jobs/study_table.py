@@ -18,6 +18,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from adt_core.bundles.deepen import describe
+
 # telemetry columns a cell's numbers need (nothing else is read)
 CELL_COLUMNS = ["prompt_id", "status", "actor_id", "finished_at", "generation_time_ms", "mean_acceptance_length",
                 "draft_acceptance_rate"]
@@ -152,7 +154,7 @@ def markdown(table: pa.Table) -> str:
             _f(r["scaling_efficiency"], ".2f"), str(r["images"]),
         ]) + " |")
     groups = sorted({(r["bundle"], r["dtype"], r["device"], r["devices"] / max(r["actors"], 1)) for r in table.to_pylist()})
-    notes = [f"bundle {b}, {d}, {dev} ({per:g} {'GPU' if dev == 'cuda' else 'CPU'} per actor)" for b, d, dev, per in groups]
+    notes = [f"bundle {describe(b)}, {d}, {dev} ({per:g} {'GPU' if dev == 'cuda' else 'CPU'} per actor)" for b, d, dev, per in groups]
     return "\n".join(["Cells: " + "; ".join(notes), ""] + lines) + "\n"
 
 

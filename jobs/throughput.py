@@ -29,6 +29,7 @@ import torch
 
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, TreeConfig
 from adt_core.bundles.bundle import Bundle
+from adt_core.bundles.deepen import describe
 from adt_core.results import PromptFailure
 
 METHODS = {
@@ -36,6 +37,18 @@ METHODS = {
     "eagle2": dict(method="eagle2", tree=TreeConfig(depth=5, top_k=10, budget=58)),
     "adt": dict(method="adt", adaptive=AdaptiveConfig(budget="cost")),
 }
+
+
+def spec_for(method: str) -> dict | None:
+    """A method's DecodeConfig fields: one of METHODS, or "eagle2@DxKxN" (an EAGLE-2 tree of
+    depth D, top-k K, N kept nodes: the hand-sized trees the default is compared with)."""
+    name = method.rstrip("'")
+    if name in METHODS:
+        return METHODS[name]
+    if name.startswith("eagle2@"):
+        d, k, n = (int(x) for x in name[len("eagle2@"):].split("x"))
+        return dict(method="eagle2", tree=TreeConfig(depth=d, top_k=k, budget=n))
+    return None
 
 
 def matmul_flops(device: str, dim: int, dtype=torch.float32, rows: int = 2048, repeats: int = 5) -> float:
@@ -136,7 +149,7 @@ def summarise(gen: Generator, res: list, wall: float, cpu: float, clock: str) ->
 
 def throughput(bundle: Bundle, args, prompts: list[str], seeds: list[int]) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
-    methods = [m.strip() for m in args.methods.split(",") if m.strip() in METHODS] or list(METHODS)
+    methods = [m.strip() for m in args.methods.split(",") if spec_for(m.strip())] or list(METHODS)
     if "ar" not in methods:
         methods.insert(0, "ar")
     if getattr(args, "control", False):
@@ -147,7 +160,7 @@ def throughput(bundle: Bundle, args, prompts: list[str], seeds: list[int]) -> di
     if "floor" not in out:
         f = matmul_flops(args.device, bundle.target.config.dim)
         fpi = flops_per_image(bundle, cfg_rows)
-        out.update({"bundle": bundle.name, "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
+        out.update({"bundle": bundle.name, "target": describe(bundle.name), "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
                     "floor": {"matmul_flops": f, "flops_per_image": fpi, "images_per_s": f / fpi}, "cells": {}})
     for temp_s in args.temperatures.split(","):
         temp = None if temp_s.strip() == "default" else float(temp_s)
@@ -156,7 +169,7 @@ def throughput(bundle: Bundle, args, prompts: list[str], seeds: list[int]) -> di
             todo = [m for m in methods if f"{temp_s.strip()}|{b}|{m}" not in out["cells"]]
             runs: dict[str, list[dict]] = {m: [] for m in todo}
             for order in (todo, todo[::-1])[: args.passes]:  # each pass: all methods at once, round by round
-                gens = {m: make_generator(bundle, METHODS[m.rstrip("'")], temp, b, ps, ss, args.device, args.dtype)
+                gens = {m: make_generator(bundle, spec_for(m), temp, b, ps, ss, args.device, args.dtype)
                         for m in order}
                 for m, cell in run_together(gens, ps, ss, getattr(args, "clock", "wall")).items():
                     runs[m].append(cell)
@@ -178,12 +191,12 @@ def throughput(bundle: Bundle, args, prompts: list[str], seeds: list[int]) -> di
 
 def report(out: dict, methods, batches, temps) -> None:
     cells, floor = out["cells"], out["floor"]["images_per_s"]
-    print(f"\nthroughput  bundle {out['bundle']}, {out['device']}/{out['dtype']}, {out['threads']} threads; "
+    print(f"\nthroughput  bundle {describe(out['bundle'])}, {out['device']}/{out['dtype']}, {out['threads']} threads; "
           f"compute floor {floor:.2f} images/s ({out['floor']['matmul_flops'] / 1e9:.1f} GFLOP/s matmul)")
     for t in temps:
         best_ar = max(cells[f"{t}|{b}|ar"]["images_per_s"] for b in batches)
         print(f"\ntemperature={t}")
-        print(f"{'method':<8}{'batch':>6}{'images/s':>10}{'vs ar@batch':>12}{'vs best ar':>11}{'accept len':>11}"
+        print(f"{'method':<15}{'batch':>6}{'images/s':>10}{'vs ar@batch':>12}{'vs best ar':>11}{'accept len':>11}"
               f"{'nodes/rnd':>10}{'drafted':>8}{'ms/level':>9}  equals ar")
         for b in batches:
             ar = cells[f"{t}|{b}|ar"]
@@ -193,7 +206,7 @@ def report(out: dict, methods, batches, temps) -> None:
                 c["vs_best_ar"] = c["images_per_s"] / best_ar
                 exact = c["sampler"] in ("greedy", "coupled")
                 c["equals_ar"] = (c["tokens"] == ar["tokens"]) if exact else None
-                print(f"{m:<8}{b:>6}{c['images_per_s']:>10.3f}{c['vs_ar_same_batch']:>11.2f}x{c['vs_best_ar']:>10.2f}x"
+                print(f"{m:<15}{b:>6}{c['images_per_s']:>10.3f}{c['vs_ar_same_batch']:>11.2f}x{c['vs_best_ar']:>10.2f}x"
                       f"{c['mean_acceptance_length']:>11.2f}{c['nodes_per_round']:>10.1f}{c['draft_rounds_share']:>8.2f}"
                       f"{c.get('draft_ms_per_level', 0.0):>9.2f}  {c['equals_ar'] if exact else '-'}")
 

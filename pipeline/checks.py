@@ -26,8 +26,9 @@ def _bundle_sampling(cfg: JobConfig):
         return SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, cfg_scale=2.0)  # random_bundle's defaults
     try:
         from adt_core.bundles.bundle import resolve_bundle_dir
+        from adt_core.bundles.deepen import split_depth
 
-        path = resolve_bundle_dir(cfg.bundle)
+        path = resolve_bundle_dir(split_depth(cfg.bundle)[0])  # NAME@N: NAME's files, deepened on load
         if path.is_file():  # a manifest (any family) names its sampling defaults
             from adt_core.bundles.loader import read_any_manifest
 
@@ -89,14 +90,15 @@ def check_bundle(cfg: JobConfig):
     from adt_core import load_bundle
     from adt_core.bundles.bundle import check_text_encoder, resolve_bundle_dir
     from adt_core.bundles.loader import own_layout
+    from adt_core.bundles.deepen import split_depth
 
     try:
-        path = resolve_bundle_dir(cfg.bundle)
+        path = resolve_bundle_dir(split_depth(cfg.bundle)[0])  # NAME@N: NAME's files, deepened on load
     except (FileNotFoundError, OSError) as e:
         raise JobRefused(f"bundle {cfg.bundle!r} not found: {e} (use --bundle random for a tiny random model)") from None
     try:
         if path.is_dir() and _dir_bytes(path) <= FULL_LOAD_BYTES:
-            return load_bundle(path)
+            return load_bundle(path if split_depth(cfg.bundle)[1] is None else cfg.bundle)
         if path.is_dir():
             meta = json.loads((path / "bundle.json").read_text())
             if own_layout(meta):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from adt_core.bundles.bundle import DEFAULT_BUNDLE, Bundle, load_bundle_dir, resolve_bundle_dir
+from adt_core.bundles.deepen import deepen, split_depth
 from adt_core.bundles.family_bundle import load_family_bundle
 from adt_core.bundles.family_manifest import load_family_manifest, manifest_family, read_family_manifest
 from adt_core.bundles.manifest import load_manifest_bundle, read_manifest
@@ -42,6 +43,9 @@ def load_bundle(name_or_path: str | Path = DEFAULT_BUNDLE, device: str = "cpu") 
     """Load a bundle directory, a manifest (YAML / JSON naming published checkpoints), or an
     embedded bundle by name (default: emoji16). device "meta" (families with their own layouts
     only): every file checked, no weights read."""
+    base, layers = split_depth(name_or_path) if isinstance(name_or_path, str) else (name_or_path, None)
+    if layers is not None and not Path(name_or_path).exists():  # NAME@N: NAME deepened (bundles/deepen.py)
+        return deepen(load_bundle(base, device=device), layers)
     path = resolve_bundle_dir(name_or_path)
     if path.is_file():
         return load_any_manifest(path, device=device)

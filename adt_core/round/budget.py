@@ -5,10 +5,10 @@ cost(A) / A ms. A round that drafts pays the draft levels and a wider verify for
 forward is padded to the widest slot's tree, so keeping m nodes per slot costs
 cost(A (1 + m)) whatever the slots' individual trees. The budget, per round:
 
-1. whether to draft at all (`BatchBudget`): a drafted round must commit tokens EDGE times faster
-   than the plain AR steps just before it with about as many slots (a step's cost drifts as
-   images grow and the batch refills; only neighbours compare), in the median of the latest
-   few such comparisons (one slow step on a shared machine must not start a run of losing
+1. whether to draft at all (`BatchBudget`): a drafted round must commit tokens faster (EDGE = 1: the
+   better rate, ties to plain steps) than the plain AR steps just before it with about as many slots
+   (a step's cost drifts as images grow and the batch refills; only neighbours compare), in the
+   median of the latest comparisons (one slow step on a shared machine must not start a run of losing
    drafts). Otherwise the round is a plain batched AR step (the drafter is not run, and it is
    not fed the pairs of plain steps it will not need; it catches up on the last few in one
    forward when drafting resumes). Slot counts share measurements by power of two. A count
@@ -32,18 +32,22 @@ Outputs never depend on any of these decisions (coupled / greedy exactness).
 
 from __future__ import annotations
 
+import numpy as np
+
 from adt_core.calibrate import CostTable
 from adt_core.config import AdaptiveConfig
 
 PROBE_EVERY, PROBE_MAX = 32, 512
+PROBE_NEAR = 3  # while the verdict is not yet sure (a near tie), the loser is probed after this many rounds
 CLEAR_LOSS = 0.6  # a probe this far behind the winner (rate ratio) backs off four-fold
 EMA = 0.2  # the planner's smoothing of its own estimates (acceptance calibration, level cost)
 NEAR = 4  # a round is compared with the other kind's rounds among the NEAR rounds before it
 SAMPLES = 3  # comparisons measured before a bucket has a verdict
-WINDOW = 5  # a bucket's verdict: the median of its latest WINDOW comparisons
-EDGE = 1.03  # drafting must measure this much faster than plain steps to be chosen: the rates are
-# noisy on a shared machine, and a plain step is the safe choice (it costs exactly what `ar` pays)
-
+WINDOW = 24  # a bucket's verdict: the median of its latest WINDOW comparisons
+EDGE = 1.0  # drafting is chosen when its median rate ratio exceeds this (ties: plain steps, which cost what `ar` pays)
+SPREAD = 0.12  # the least spread assumed of one comparison's log ratio (a shared CPU: +-10-20% per reading)
+SURE_AFTER = 2  # comparisons before a verdict may be sure, in multiples of `samples`
+SURE = 2.0  # a verdict is sure when its median log ratio is this many standard errors from a tie
 
 class BatchBudget:
     """Whether the next round drafts, from rounds compared with their neighbours.
@@ -54,15 +58,18 @@ class BatchBudget:
     wins) is compared with the median rate of the other kind's rounds of the same slot bucket
     among the NEAR rounds before it: their rate ratio (drafted / plain) is one comparison. A
     bucket's gain is the median of its latest WINDOW comparisons, so a single round slowed by
-    other work on the machine decides nothing (medians of an even count take the middle value
-    that favours plain steps). A bucket without a verdict alternates the kinds,
+    other work on the machine decides little. A bucket without a verdict alternates the kinds,
     plain first, until it has `samples` comparisons; afterwards the losing kind runs only as a
-    probe."""
+    probe. Near break-even a wrong call costs little and a sure one needs many comparisons: while
+    the median log ratio is within SURE standard errors of a tie (`_sure`), the loser is probed
+    every PROBE_NEAR rounds (a sequential test: the comparisons accumulate until the call is
+    sure); once sure, the probe interval grows to PROBE_MAX."""
 
     def __init__(self, costs: CostTable, cfg: AdaptiveConfig, samples: int = SAMPLES) -> None:
         self.costs, self.cfg, self.samples = costs, cfg, samples
         self.ratios: dict[int, list[float]] = {}  # bucket -> its latest comparisons (drafted / plain rate)
         self.verdict: dict[int, bool] = {}  # bucket -> drafting measured faster (once it has `samples` comparisons)
+        self.sure: dict[int, bool] = {}  # bucket -> its verdict is SURE standard errors from a tie
         self.recent: dict[tuple[int, bool], list[tuple[int, float]]] = {}  # (bucket, drafted) -> (round, rate)
         self.round = 0  # rounds measured
         self.since_probe = 0
@@ -130,13 +137,16 @@ class BatchBudget:
         before = self._choice(k)
         if drafted != bool(before):  # the rarer kind: compare it with the other kind's rounds just before
             near = [x for r, x in self.recent.get((k, not drafted), ()) if self.round - r <= NEAR]
-            if near:  # the plain rounds' upper median, the drafted ones' lower: ties favour plain steps
-                ref = _median(near, upper=drafted)
+            if near:  # their middle (the mean of the middle two of an even count: no bias either way)
+                ref = float(np.median(near))
                 ratios = self.ratios.setdefault(k, [])
                 ratios.append(rate / ref if drafted else ref / rate)
                 del ratios[:-WINDOW]
                 if len(ratios) >= self.samples:
                     self.verdict[k] = _median(ratios) > EDGE
+                    self.sure[k] = _sure(ratios, self.samples)
+                    if not self.sure[k]:  # a near tie: the loser is measured again soon
+                        self.probe_every = min(self.probe_every, PROBE_NEAR)
         mine = self.recent.setdefault((k, drafted), [])
         mine.append((self.round, rate))
         del mine[:-NEAR]
@@ -149,9 +159,26 @@ class BatchBudget:
             if k in self.ratios:
                 g = _median(self.ratios[k])
                 grow = 4 if min(g, 1 / max(g, 1e-9)) < CLEAR_LOSS else 2
-            self.probe_every = min(grow * self.probe_every, PROBE_MAX) if same else PROBE_EVERY
+            if not self.sure.get(k, True):  # a near tie: keep measuring (a wrong call costs little here)
+                self.probe_every = PROBE_NEAR
+            else:
+                self.probe_every = min(grow * max(self.probe_every, PROBE_EVERY // 2), PROBE_MAX) if same else PROBE_EVERY
         else:
             self.since_probe += 1
+
+
+def _sure(ratios: list[float], samples: int = SAMPLES) -> bool:
+    """Whether the median log ratio is SURE standard errors from a tie (log EDGE). The spread is
+    the median absolute deviation (one slow round must not make a clear loss look unsure), at
+    least SPREAD (a few equal comparisons prove little on a noisy machine); never before
+    SURE_AFTER x `samples` comparisons (three unlucky readings must not settle a near tie)."""
+    if samples > 1 and len(ratios) < SURE_AFTER * samples:
+        return False
+    logs = np.log(np.maximum(np.asarray(ratios, dtype=float), 1e-9))
+    mid = float(np.median(logs))
+    sd = max(1.4826 * float(np.median(np.abs(logs - mid))), SPREAD)
+    se = 1.2533 * sd / np.sqrt(len(logs))  # the standard error of a median
+    return abs(mid - np.log(EDGE)) >= SURE * se
 
 
 def _median(xs: list[float], upper: bool = False) -> float:

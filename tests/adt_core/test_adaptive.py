@@ -139,9 +139,13 @@ def test_batch_budget_drafts_only_while_it_measures_faster_and_probes():
     assert probes == [PROBE_EVERY, 3 * PROBE_EVERY + 1]  # probes only, the interval doubling
     assert not b.worth_drafting(5)  # 4-7 slots share one measurement
     assert not b.worth_drafting(9)  # a new bucket takes plain steps from the nearest measured one
-    for _ in range(3):  # drafting got much faster (an easy region): the median of the latest 5 turns
-        b.observe_round(4, True, ms=5.0, tokens=6)
-    assert b.worth_drafting(4) and b.probe_every == PROBE_EVERY
+    for _ in range(3):  # drafting got much faster (an easy region): the median of the comparisons moves,
+        b.observe_round(4, True, ms=5.0, tokens=6)  # the verdict is no longer sure: probes come sooner
+    assert not b.sure[3] and b.probe_every < PROBE_EVERY
+    for _ in range(3 * PROBE_EVERY):
+        d = b.worth_drafting(4)
+        b.observe_round(4, d, ms=5.0 if d else 20.0, tokens=6 if d else 4)
+    assert b.worth_drafting(4)  # and turns
 
 
 def test_one_slow_plain_step_does_not_start_a_run_of_drafts():
@@ -156,7 +160,7 @@ def test_one_slow_plain_step_does_not_start_a_run_of_drafts():
         plain_ms = 40.0 if r == 2 else 15.0  # the first explored plain round ran beside other work
         b.observe_round(16, d, ms=35.0 if d else plain_ms, tokens=28 if d else 16)  # drafting: 0.75x
     assert drafted[:6] == [False, True, False, True, False, True] and b.gain[5] < 1.0
-    assert sum(drafted[6:]) <= 4  # then probes only
+    assert sum(drafted[6:]) <= 8  # then probes only (sooner while fewer than 2 x samples comparisons: not yet sure)
 
 
 def test_batch_budget_compares_adjacent_rounds_only_as_steps_grow_slower():
@@ -171,7 +175,7 @@ def test_batch_budget_compares_adjacent_rounds_only_as_steps_grow_slower():
         drafted.append(d)
         b.observe_round(8, d, ms=1.6 * plain_ms if d else plain_ms, tokens=int(8 * 1.44) if d else 8)
     assert drafted[:7] == [False, True, False, True, False, True, False] and b.gain[4] < 1.0  # explored, then plain
-    assert sum(drafted[6:]) <= 6  # probes only, the interval growing: 32, 64, ..., 512
+    assert sum(drafted[6:]) <= 10  # probes only (every few rounds until sure), the interval growing: 32, ..., 512
 
 
 def test_draft_level_cost_is_measured_once_per_generator_model():
@@ -280,3 +284,26 @@ def test_skipped_pairs_are_never_fed_and_outputs_stay_exact(monkeypatch):
         plain = sum(r.stats.target_forwards for r in res)  # an upper bound on plain steps
         assert 0 < stores["n"] < plain / 2  # only the steps right before a drafting round stored pairs
         assert sum(r.stats.draft_tokens for r in res) > 0
+
+
+@pytest.mark.parametrize("gain", [0.97, 1.03])
+def test_the_call_at_break_even_costs_under_two_percent(gain):
+    """Synthetic clock: drafting truly `gain` x plain steps' rate, every reading +-20% noise (and a
+    slow drift of the machine's speed, common to both kinds). Over many rounds the budget's
+    choices lose at most 2% against always running the better kind (mean over seeds)."""
+    import numpy as np
+
+    losses = []
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
+        b = BatchBudget(CostTable({1: 10.0}), AdaptiveConfig())
+        spent = tokens = 0.0
+        speed = 1.0
+        for _ in range(2000):
+            speed *= float(np.exp(rng.normal(0, 0.02)))
+            d = b.worth_drafting(1)
+            ms = 30.0 / gain if d else 10.0  # a drafted round: 3 tokens; a plain step: 1
+            b.observe_round(1, d, ms * speed * rng.uniform(0.8, 1.2), 3 if d else 1)
+            spent, tokens = spent + ms, tokens + (3 if d else 1)
+        losses.append(1 - (tokens / spent) / (max(1.0, gain) / 10.0))
+    assert float(np.mean(losses)) <= 0.02, losses
