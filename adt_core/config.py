@@ -14,7 +14,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-METHODS = ("ar", "static", "eagle2", "adt")
+METHODS = ("ar", "static", "eagle2", "adt", "jacobi")
+SHAPED = ("adt", "jacobi")  # methods whose trees ADT-Tree's controller (AdaptiveConfig) shapes
+DRAFTERLESS = ("ar", "jacobi")  # methods that run without a drafter model
 DTYPES = ("float32", "bfloat16", "float16")
 SAMPLERS = ("coupled", "rejection")
 DRAFT_SCORES = ("perturbed", "logq")
@@ -153,7 +155,9 @@ class DecodeConfig:
     """Everything that decides how images are decoded.
 
     method: "adt" (default: adjacency-adaptive trees sized by the cost budget), "ar" (vanilla,
-        the baseline), "static" (fixed tree), "eagle2" (dynamic tree).
+        the baseline), "static" (fixed tree), "eagle2" (dynamic tree), "jacobi" (no drafter:
+        trees from the target's own earlier predictions and the image's neighbours, shaped as
+        "adt"'s; adt_core/round/jacobi.py).
     temperature / top_k / top_p / cfg_scale: None takes the bundle's defaults.
     sampler: "coupled" (default: Gumbel-max noise fixed per (seed, position, token); every method
         gives AR's tokens for the same seed) or "rejection" (recursive rejection sampling,
@@ -196,8 +200,20 @@ class DecodeConfig:
         for name in ("temperature", "top_k", "top_p", "cfg_scale"):
             if getattr(self, name) is not None:  # full check with the bundle's defaults in sampling()
                 SamplingConfig(**{name: getattr(self, name)})
+        if self.method == "jacobi" and self.lantern is not None and self.sampler == "rejection":
+            raise ValueError("lantern with method jacobi needs sampler coupled (or temperature 0): jacobi's "
+                             "rejection sampler is SJD's rule, which has no relaxed form here")
         if self.method == "static" and self.tree.static_paths is None:
             object.__setattr__(self, "tree", dataclasses.replace(self.tree, static_paths=default_static_paths()))
+
+    @property
+    def shaped(self) -> bool:
+        """Trees shaped by ADT-Tree's controller and sized by `adaptive` (adt, jacobi)."""
+        return self.method in SHAPED
+
+    @property
+    def needs_drafter(self) -> bool:
+        return self.method not in DRAFTERLESS
 
     def sampling(self, defaults: SamplingConfig) -> SamplingConfig:
         """The effective sampling config: our fields where set, else the bundle's."""

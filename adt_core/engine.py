@@ -47,7 +47,7 @@ class Generator:
         self.cfg_rows = 2 if self.sampling.use_cfg else 1
         self.prompter = bundle.make_prompter()  # LlamaGen's checks its text encoder against the target
         self.layout, self.vocab = self.prompter.layout, self.prompter.vocab
-        if config.method != "ar" and bundle.drafter is None:
+        if config.needs_drafter and bundle.drafter is None:
             raise ValueError(f"method {config.method!r} needs a drafter; bundle {bundle.name!r} has none")
         n = self.layout.num_codes
         self.num_tokens = n if config.max_tokens is None else min(config.max_tokens, n)
@@ -110,7 +110,7 @@ class Generator:
     def decoder(self, capacity: int) -> BatchDecoder:
         """A BatchDecoder of `capacity` slots over this Generator's fixed set-up."""
         self._place_models()
-        costs = self.cost_table() if self.config.method == "adt" and self.config.adaptive.budget == "cost" else None
+        costs = self.cost_table() if self.config.shaped and self.config.adaptive.budget == "cost" else None
         setup = DecodeSetup(self.bundle, self.config, self.sampler, self.scorer, self.cfg_rows, self.num_tokens,
                             self.device, self.timer, costs, self.relaxation(), self._planners, self.prompter,
                             self._max_prompt())
@@ -183,6 +183,8 @@ class Generator:
                 k0 = self.config.adaptive.k0
                 table = CostTable(table.ms, CostTable({}, 0.0, draft).draft_cost(k0), draft)
             per_model[key] = table
+        if not self.config.needs_drafter:  # jacobi: a draft level runs no model (its planner measures its cost)
+            return CostTable(per_model[key].ms)
         return per_model[key]
 
     def use_costs(self, table: CostTable) -> None:

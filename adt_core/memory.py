@@ -1,7 +1,7 @@
 """Memory plan: how many images one device decodes at once.
 
     free      = device - reserve - weights - workspace
-    per image = target KV + drafter KV + tree logits
+    per image = target KV + drafter KV + tree logits + draft window (jacobi)
     in flight = min(free // per image, decode.batch_size)
 
 KV bytes of a model for one image = rows x layers x 2 (keys, values) x kv width (kv heads x
@@ -66,6 +66,7 @@ class MemoryPlan:
     fits: int  # images the device holds
     batch_size: int | None  # decode.batch_size (the cap), None = uncapped
     images: int  # in flight: min(fits, batch_size)
+    window_per_image: int = 0  # jacobi's window of candidates ahead of the prefix (adt_core/round/jacobi.py)
 
     @property
     def weights_total(self) -> int:
@@ -73,7 +74,7 @@ class MemoryPlan:
 
     @property
     def per_image(self) -> int:
-        return self.target_kv_per_image + self.drafter_kv_per_image + self.tree_per_image
+        return self.target_kv_per_image + self.drafter_kv_per_image + self.tree_per_image + self.window_per_image
 
     @property
     def free_bytes(self) -> int:
@@ -89,7 +90,8 @@ class MemoryPlan:
             f"  reserve    {self.reserve_bytes / GB:7.2f} GB   workspace {self.workspace_bytes / GB:.2f} GB",
             f"  per image  {self.per_image / GB:7.3f} GB = target KV {self.target_kv_per_image / GB:.3f} "
             f"({self.rows_per_image} rows x {self.tokens_per_row} tokens) + drafter KV "
-            f"{self.drafter_kv_per_image / GB:.3f} + tree {self.tree_per_image / GB:.3f}",
+            f"{self.drafter_kv_per_image / GB:.3f} + tree {self.tree_per_image / GB:.3f} + window "
+            f"{self.window_per_image / GB:.3f}",
         ])
 
     __str__ = describe
@@ -101,7 +103,7 @@ class MemoryPlan:
                 f"(memory fits {self.fits}; {cap}): weights {_size(self.weights_total)}, per image "
                 f"{_size(self.per_image)} = KV {_size(self.target_kv_per_image)} ({self.rows_per_image} rows x "
                 f"{self.tokens_per_row} tokens) + drafter KV {_size(self.drafter_kv_per_image)} + tree "
-                f"{_size(self.tree_per_image)}; reserve {_size(self.reserve_bytes)}")
+                f"{_size(self.tree_per_image)} + window {_size(self.window_per_image)}; reserve {_size(self.reserve_bytes)}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -124,30 +126,32 @@ def plan_memory(
     batch_size: int | None = None,
     reserve_fraction: float = 0.08,
     drafter_tokens: int | None = None,
+    window_bytes: int = 0,
 ) -> MemoryPlan:
     """Images in flight for one device.
 
     tokens: the longest row without a tree (max prompt tokens + generated tokens, forced ones
     included); tree_nodes / tree_depth: the largest draft tree (0 for AR); logits_width: the
     columns of a logits row (the number of image codes); drafter_tokens: the drafter cache's
-    row length when the caller knows it (else tokens + every level of the tree). Raises
+    row length when the caller knows it (else tokens + every level of the tree); window_bytes:
+    a drafter-free method's draft window per image (jacobi; its trees need no drafter). Raises
     MemoryPlanError when not one image fits."""
     if not 0.0 <= reserve_fraction < 1.0:
         raise ValueError(f"reserve_fraction {reserve_fraction} not in [0, 1)")
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size {batch_size} < 1")
     rows = 2 if cfg else 1
-    spec = drafter is not None and tree_nodes > 0
+    spec = tree_nodes > 0
     length = tokens + (tree_nodes + 1 if spec else 0)
     target_kv = target.bytes(rows, length, dtype_bytes)
     if drafter_tokens is None:
         drafter_tokens = tokens + (tree_depth + 1) * (tree_nodes + 1)
-    drafter_kv = drafter.bytes(rows, drafter_tokens, dtype_bytes) if spec else 0
+    drafter_kv = drafter.bytes(rows, drafter_tokens, dtype_bytes) if spec and drafter is not None else 0
     tree = 2 * rows * (tree_nodes + 1) * logits_width * 4 if spec else rows * logits_width * 4
     plan = dict(device_bytes=int(device_bytes), reserve_bytes=int(device_bytes * reserve_fraction),
                 weights=dict(weights), workspace_bytes=int(workspace_bytes), rows_per_image=rows,
                 tokens_per_row=length, target_kv_per_image=target_kv, drafter_kv_per_image=drafter_kv,
-                tree_per_image=tree, batch_size=batch_size)
+                tree_per_image=tree, batch_size=batch_size, window_per_image=int(window_bytes) if spec else 0)
     probe = MemoryPlan(**plan, fits=0, images=0)
     fits = max(0, probe.free_bytes // probe.per_image)
     if fits < 1:
@@ -191,7 +195,9 @@ def tree_extent(config) -> tuple[int, int]:
 
     if config.method == "ar":
         return 0, 0
-    adt = config.method == "adt"
+    adt = config.shaped
+    if not config.needs_drafter:  # jacobi: no drafter cache
+        return bucket(config.adaptive.n_max), 0
     if config.method == "static":
         widest = len(config.tree.static_paths)
     else:
@@ -225,12 +231,20 @@ def bundle_plan(bundle, config, device_bytes: int, reserve_fraction: float = 0.0
     n = layout.num_codes if config.max_tokens is None else min(config.max_tokens, layout.num_codes)
     base = prompter.max_prompt
     span = int(layout.offset(n - 1)) + 1
-    widest, fed = tree_extent(config) if bundle.drafter is not None else (0, 0)  # no drafter: plain steps
+    runs = bundle.drafter is not None or not config.needs_drafter  # a drafter method without one: plain steps
+    widest, fed = tree_extent(config) if runs else (0, 0)
     spec = widest > 0
+    drafter = kv_shape(bundle.drafter) if spec and config.needs_drafter else None
+    sampling = config.sampling(bundle.sampling)
+    window = 0
+    if spec and not config.needs_drafter:
+        from adt_core.round.jacobi import window_bytes
+
+        window = window_bytes(config, prompter.vocab.num_codes, config.sampler == "rejection" and not sampling.greedy)
     tokens = base + span + (1 if spec else 2)  # BatchDecoder: base + span + widest + 2 entries per row
     return plan_memory(
-        device_bytes, weights, kv_shape(bundle.target), tokens, cfg=config.sampling(bundle.sampling).use_cfg,
-        dtype_bytes=size, drafter=kv_shape(bundle.drafter) if spec else None, tree_nodes=widest,
+        device_bytes, weights, kv_shape(bundle.target), tokens, cfg=sampling.use_cfg,
+        dtype_bytes=size, drafter=drafter, tree_nodes=widest,
         logits_width=prompter.vocab.num_codes, workspace_bytes=decode_workspace(bundle.vq, (layout.grid_h, layout.grid_w)),
         batch_size=config.batch_size, reserve_fraction=reserve_fraction,
-        drafter_tokens=base + span + fed + 1 if spec else None)
+        drafter_tokens=base + span + fed + 1 if drafter is not None else None, window_bytes=window)

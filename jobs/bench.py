@@ -94,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", default=None, help="write the results as JSON here")
     ap.add_argument("--calibrate", action="store_true", help="only measure target forward cost vs new tokens")
     ap.add_argument("--throughput", action="store_true",
-                    help="images/s per method and engine batch size (jobs/throughput.py); --methods defaults to ar,eagle2,adt")
+                    help="images/s per method and engine batch size (jobs/throughput.py); --methods defaults to ar,eagle2,adt,jacobi")
     ap.add_argument("--cost-curves", action="store_true",
                     help="ms of a target forward at n = 1..64 new tokens per image for 1, 16, 64 images "
                          "(jobs/cost_curves.py); with --xl also a random LlamaGen-XL-shaped target in bf16")
@@ -291,7 +291,7 @@ def main(argv=None) -> int:
         from jobs.throughput import throughput
 
         if args.methods == DEFAULT_METHODS:
-            args.methods = "ar,eagle2,adt"
+            args.methods = "ar,eagle2,adt,jacobi"
         prompts, seeds = read_prompts(args.prompts, 10**9)
         result = throughput(bundle, args, prompts, seeds)
         print(f"\nwrote {args.json}" if args.json else "")

@@ -36,6 +36,7 @@ METHODS = {
     "ar": dict(method="ar"),
     "eagle2": dict(method="eagle2", tree=TreeConfig(depth=5, top_k=10, budget=58)),
     "adt": dict(method="adt", adaptive=AdaptiveConfig(budget="cost")),
+    "jacobi": dict(method="jacobi", adaptive=AdaptiveConfig(budget="cost")),  # no drafter model
 }
 
 
@@ -216,7 +217,7 @@ def chart(out: dict, methods, batches, png: str) -> None:
     from PIL import Image, ImageDraw
 
     temps = sorted({k.split("|")[0] for k in out["cells"]})
-    colours = {"ar": (40, 40, 40), "eagle2": (30, 120, 200), "adt": (220, 90, 30)}
+    colours = {"ar": (40, 40, 40), "eagle2": (30, 120, 200), "adt": (220, 90, 30), "jacobi": (150, 40, 160)}
     w, h, pad = 420, 300, 50
     img = Image.new("RGB", (w * len(temps), h), "white")
     d = ImageDraw.Draw(img)

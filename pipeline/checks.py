@@ -160,11 +160,12 @@ def plan_job_memory(cfg: JobConfig, bundle):
     actor keeps in flight. The plan is None when the driver cannot know the bundle's shapes (a
     manifest) or the device (a remote GPU cluster without --device-memory-gb): each actor then
     plans on its own device. A plan that does not fit one image is refused (exit 2)."""
+    from adt_core.config import DRAFTERLESS
     from adt_core.memory import MemoryPlanError, bundle_plan
 
-    if bundle is not None and bundle.drafter is None and cfg.decode.method != "ar":
+    if bundle is not None and bundle.drafter is None and cfg.decode.method not in DRAFTERLESS:
         raise JobRefused(f"decode.method {cfg.decode.method!r} needs a drafter; bundle {cfg.bundle!r} has none "
-                         "(use --decode.method ar)")
+                         "(use --decode.method jacobi or ar)")
     device_bytes, source = _device_bytes(cfg)
     if bundle is None or device_bytes is None:
         return None, source

@@ -30,7 +30,9 @@ CHOICES: dict[str, tuple[str, ...]] = {"method": METHODS, "dtype": DTYPES, "samp
 # dotted name (relative to decode) -> help text; a section's own entry documents the section
 FIELD_DOCS: dict[str, str] = {
     "method": "Decoder: adt (adjacency-adaptive trees sized by the cost budget; decode.adaptive.*), ar (vanilla, "
-              "the baseline), static (a fixed tree: decode.tree.static_paths), eagle2 (dynamic tree: decode.tree.*).",
+              "the baseline), static (a fixed tree: decode.tree.static_paths), eagle2 (dynamic tree: decode.tree.*), "
+              "jacobi (no drafter: trees from the target's own earlier predictions and the image's neighbours, "
+              "shaped and sized as adt's: decode.adaptive.*).",
     "temperature": "Sampling temperature; 0 = greedy; none = the bundle's default.",
     "top_k": "Top-k sampling filter (0 = off); none = the bundle's default.",
     "top_p": "Top-p (nucleus) filter, in (0, 1]; none = the bundle's default.",
@@ -42,7 +44,7 @@ FIELD_DOCS: dict[str, str] = {
     "tree.static_paths": "Method static: the fixed tree as a list of paths of child ranks, e.g. [[0], [1], [0, 0]] = "
                          "two children of the root and one grandchild under the first (every path's parent listed); "
                          "none = a built-in 25-node, 5-level tree.",
-    "adaptive": "ADT-Tree controller, method adt (docs/adt_tree.md).",
+    "adaptive": "ADT-Tree controller, methods adt and jacobi (docs/adt_tree.md).",
     "adaptive.d0": "Depth of a round with no adjacent record to start from.",
     "adaptive.k0": "Width (top-k) of a round with no adjacent record to start from.",
     "adaptive.beta": "Acceptance ratio (accepted / depth of the adjacent round) at or above which a tree grows "

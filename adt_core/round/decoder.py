@@ -40,6 +40,8 @@ from adt_core.results import StepStats
 from adt_core.round.adaptive import AdaptiveGrid
 from adt_core.round.draft import BatchDrafter, DraftScorer, StaticLevels
 from adt_core.round.forced import ForcedEol
+from adt_core.round.jacobi import jacobi_window, verify_sjd
+from adt_core.round.jacobi_plan import jacobi_planner
 from adt_core.round.log import RoundLog
 from adt_core.round.plan import Planner, bucket, planner_for
 from adt_core.round.prefill import prefill_rows
@@ -101,9 +103,10 @@ class BatchDecoder:
             self.forced = ForcedEol(torch.tensor(self.layout.eol, dtype=torch.long, device=setup.device),
                                     self.layout.grid_w, self.n, self.rows)
         self.scale = setup.sampler.sampling.cfg_scale
-        adt = c.method == "adt"
+        adt = c.shaped
         self.grid = AdaptiveGrid(capacity, (self.layout.grid_h, self.layout.grid_w), c.adaptive) if adt else None
-        self.planner: Planner = planner_for(c, self.n, self.grid, setup.costs, capacity)
+        pick = jacobi_planner if c.method == "jacobi" else planner_for
+        self.planner: Planner = pick(c, self.n, self.grid, setup.costs, capacity)
         if capacity in setup.planners:
             self.planner.adopt(setup.planners[capacity])
         elif setup.planners:  # another capacity's: its measurements per slot count
@@ -112,7 +115,10 @@ class BatchDecoder:
         widest = self._widest_tree()
         self.cache = b.target.new_cache(self.r * capacity, self.base + span + widest + 2)
         self.drafter = None
-        if self.planner.drafts:
+        self.jacobi = c.method == "jacobi"  # the draft source is the target's own window (adt_core/round/jacobi.py)
+        if self.planner.drafts and self.jacobi:
+            self.drafter = jacobi_window(c, setup, capacity, self.layout.grid_w)
+        elif self.planner.drafts:
             fed = max(len(c.tree.static_paths or ()), (c.adaptive.d_max if adt else c.tree.depth) * self._width_cap())
             self.drafter = BatchDrafter(b.drafter, b.target.head, self.scale, capacity, self.r,
                                         self.base + span + fed + 1, setup.scorer, self.seq_pos, self.ids)
@@ -120,14 +126,14 @@ class BatchDecoder:
         self._static_levels: dict[int, StaticLevels] = {}
         self.slots = Slots.empty(capacity, self.n, setup.device)
         self.meta: list[tuple[int, str, int] | None] = [None] * capacity
-        self.log = RoundLog(capacity, c.method != "ar", c.lantern is not None, setup.sampler.kind)
+        self.log = RoundLog(capacity, c.method != "ar", c.lantern is not None, setup.sampler.kind, c.needs_drafter)
         self.curve_len = c.adaptive.n_max + 1
         self.verify_slot = {"greedy": self._greedy_one, "coupled": self._coupled_one,
-                            "rejection": self._rejection_one}[setup.sampler.kind]
+                            "rejection": self._sjd_one if self.jacobi else self._rejection_one}[setup.sampler.kind]
 
     def _width_cap(self) -> int:
         c = self.s.config
-        return c.adaptive.k_max if c.method == "adt" else c.tree.top_k
+        return c.adaptive.k_max if c.shaped else c.tree.top_k
 
     def _widest_tree(self) -> int:
         c = self.s.config
@@ -135,7 +141,7 @@ class BatchDecoder:
             return 0
         if c.method == "static":
             return len(c.tree.static_paths)
-        return bucket(c.adaptive.n_max) if c.method == "adt" else c.tree.budget
+        return bucket(c.adaptive.n_max) if c.shaped else c.tree.budget
 
     def seq_pos(self, index: torch.Tensor) -> torch.Tensor:
         """Image indices (C, S) of each slot -> their sequence positions (R, S) in each cache row:
@@ -203,7 +209,9 @@ class BatchDecoder:
         mask[free] = True
         if self.grid is not None:
             self.grid.reset(mask)
-        if self.drafter is not None:
+        if self.jacobi and self.drafter is not None:
+            self.drafter.reset(mask)
+        elif self.drafter is not None:
             self._drafter_admit(free, free_t, hidden, first, lengths, rows)
         one = np.zeros(self.capacity, np.int64)
         one[free] = 1
@@ -297,9 +305,11 @@ class BatchDecoder:
         grow = active.astype(np.int64)
         self.cache.set_lengths(start + self.host_rows(grow if eol is None else grow + eol))
         counts = torch.from_numpy(grow).to(dev)
-        if self.drafter is not None and self.planner.feeds_drafter(int(active.sum())):
+        if self.jacobi or self.drafter is None:
+            pass
+        elif self.planner.feeds_drafter(int(active.sum())):
             self.drafter.ring.push_one(s.count, hidden[:, 0], new, counts)
-        elif self.drafter is not None:
+        else:
             self.drafter.ring.skip(active, position + 1)  # pairs up to this one: never fed
         s.write(new[:, None], counts, grow)
         ms = setup.timer.now() - t0
@@ -334,8 +344,11 @@ class BatchDecoder:
             self.cache.keep_rows(start, self.rows(ver.path), self.host_rows(grow))
         else:  # entries: root, companion, nodes
             self.cache.keep_rows(start, self.rows(self.forced.cache_index(ver.path, eol_t)), self.host_rows(grow + eol))
-        kept = hidden.gather(1, self.rows(ver.path)[..., None].expand(-1, -1, hidden.shape[2]))  # (R, D + 1, dim)
-        self.drafter.ring.push(s.count, kept, ver.new, counts)
+        if self.jacobi:  # the unaccepted tail's predictions: the next round's drafts
+            self.drafter.carry(tree, mixed, ver, noise, s.count, active_t, plan.levels)
+        else:
+            kept = hidden.gather(1, self.rows(ver.path)[..., None].expand(-1, -1, hidden.shape[2]))  # (R, D + 1, dim)
+            self.drafter.ring.push(s.count, kept, ver.new, counts)
         s.write(ver.new, counts, grow)
         if self.grid is not None:
             self.grid.observe(position, np.where(active, out.depth, 0), plan.widths, out.accepted)
@@ -387,18 +400,23 @@ class BatchDecoder:
         for b in np.flatnonzero(active):
             t = tree_of(tree, b)
             nz = None if noise is None else noise[b][t.depths]
-            res = self.verify_slot(t, mixed[b, : t.size], self.slots.gens[b], nz)
+            res = self.verify_slot(t, mixed[b, : t.size], self.slots.gens[b], nz, b)
             a = res.num_accepted
             acc[b] = a
             path[b, : a + 1] = torch.tensor([0] + res.accepted, device=dev)
             new[b, : a + 1] = torch.cat([t.tokens[res.accepted], torch.tensor([res.bonus], device=dev)])
         return Verified(acc, path, new)
 
-    def _greedy_one(self, tree, mixed, gen, noise):
+    def _greedy_one(self, tree, mixed, gen, noise, b):
         return verify_greedy(tree, mixed, self.s.relax)
 
-    def _coupled_one(self, tree, mixed, gen, noise):
+    def _coupled_one(self, tree, mixed, gen, noise, b):
         return verify_coupled(tree, mixed, noise, self.s.sampler.sampling, self.s.relax)
 
-    def _rejection_one(self, tree, mixed, gen, noise):
+    def _rejection_one(self, tree, mixed, gen, noise, b):
         return verify_stochastic(tree, mixed, self.s.sampler.sampling, gen, self.s.relax)
+
+    def _sjd_one(self, tree, mixed, gen, noise, b):
+        w = self.drafter
+        return verify_sjd(tree.tokens.tolist(), tree.depths.tolist(), mixed, self.s.sampler.sampling, gen,
+                          w.chain_q[b], w.chain_has[b].tolist())

@@ -48,8 +48,9 @@ class PlainRounds:
 
 
 class RoundLog:
-    def __init__(self, capacity: int, traced: bool, lossy: bool, sampler: str) -> None:
+    def __init__(self, capacity: int, traced: bool, lossy: bool, sampler: str, model_drafts: bool = True) -> None:
         self.traced, self.lossy, self.sampler, self.capacity = traced, lossy, sampler, capacity
+        self.model_drafts = model_drafts  # False: a draft level runs no model (jacobi), no draft forwards
         self.serial = np.full(capacity, -1, np.int64)  # the image in each slot
         self.entered = np.zeros(capacity, np.int64)  # round number at which it entered
         self.count = {k: np.zeros(capacity) for k in COUNTERS}
@@ -92,7 +93,7 @@ class RoundLog:
         d_ms, v_ms = draft_ms / a, verify_ms / a
         c = self.count
         c["target_forwards"][active] += 1
-        c["draft_forwards"][active & (depth > 0)] += max(levels, 1)
+        c["draft_forwards"][active & (depth > 0)] += max(levels, 1) if self.model_drafts else 0
         c["draft_tokens"][active] += nodes[active]
         c["accepted_draft_tokens"][active] += accepted[active]
         c["draft_ms"][active] += d_ms

@@ -10,6 +10,9 @@ reported (`RoundOutcome`, read back once per round), so planning never waits for
 - `static`: the fixed tree (cut to the image's end).
 - `adt` (budget "shape", the paper's): each slot's (d, k) from the ADT-Tree controller
   (adt_core/round/adaptive.py), n = gamma d k kept nodes; the batch's D, K, M are the slots' largest.
+- `jacobi`: as `adt` (either budget); its drafts come from the target's own window
+  (adt_core/round/jacobi.py), so a draft level costs no model forward (the cost table's draft part
+  is 0); its cost budget is adt_core/round/jacobi_plan.py (`jacobi_planner`).
 - `adt` (budget "cost", the default): the slots' (d, k) as above, and
   1. whether to draft at all: `BatchBudget`'s measured rates (adt_core/round/budget.py);
   2. M: the width bucket maximising (A + expected accepted tokens) / (verify + draft ms),
@@ -255,6 +258,6 @@ def planner_for(config: DecodeConfig, n_tokens: int, grid: AdaptiveGrid | None, 
         return EaglePlanner(n_tokens, config)
     if config.method == "static":
         return StaticPlanner(n_tokens, config)
-    if config.adaptive.budget == "cost":
+    if config.adaptive.budget == "cost":  # adt (and jacobi's shapes): the same controller and budget
         return CostPlanner(n_tokens, config.adaptive, grid, costs, capacity, cpu=config.device == "cpu")
     return ShapePlanner(n_tokens, config.adaptive, grid)

@@ -19,6 +19,7 @@ METHODS = [
     ("eagle2", dict(tree=TreeConfig(depth=4, top_k=4, budget=12))),
     ("adt", dict(adaptive=AdaptiveConfig(budget="shape", d_max=5, k_max=6, n_max=16))),
     ("adt", dict(adaptive=AdaptiveConfig(budget="cost", d_max=5, k_max=6, n_max=16))),
+    ("jacobi", dict(adaptive=AdaptiveConfig(budget="cost", d_max=5, k_max=6, n_max=16))),  # no drafter model
 ]
 
 

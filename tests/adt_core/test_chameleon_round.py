@@ -27,6 +27,7 @@ METHODS = [
     ("eagle2", dict(tree=TreeConfig(depth=3, top_k=3, budget=8))),
     ("adt", dict(adaptive=AdaptiveConfig(budget="shape", d_max=4, k_max=4, n_max=12))),
     ("adt", dict(adaptive=AdaptiveConfig(budget="cost", d_max=4, k_max=4, n_max=12))),
+    ("jacobi", dict(adaptive=AdaptiveConfig(budget="shape", d_max=4, k_max=4, n_max=12))),  # no drafter model
 ]
 
 

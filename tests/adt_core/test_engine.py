@@ -182,6 +182,7 @@ ADT_SMALL = dict(d0=3, k0=3, d_min=1, d_max=3, k_min=2, k_max=4, n_min=2, n_max=
     ("static", TreeConfig(depth=3, static_paths=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))), AdaptiveConfig()),
     ("adt", TreeConfig(), AdaptiveConfig(budget="shape", **ADT_SMALL)),
     ("adt", TreeConfig(), AdaptiveConfig(**ADT_SMALL, init="both", budget="cost")),
+    ("jacobi", TreeConfig(), AdaptiveConfig(budget="shape", **ADT_SMALL)),  # rejection: SJD's rule on q-drawn chains
     ("ar", TreeConfig(), AdaptiveConfig()),
 ])
 def test_stochastic_decoding_is_lossless(method, tree, adaptive, sampler, monkeypatch):

@@ -89,7 +89,8 @@ class HostReads:
         return sum(self.calls.values())
 
 
-@pytest.mark.parametrize("method,kw", [("adt", {}), ("eagle2", dict(tree=TreeConfig(depth=3, top_k=3, budget=6))),
+@pytest.mark.parametrize("method,kw", [("adt", {}), ("jacobi", {}),
+                                       ("eagle2", dict(tree=TreeConfig(depth=3, top_k=3, budget=6))),
                                        ("static", dict(tree=TreeConfig(depth=3)))])
 def test_one_host_read_per_round_whatever_the_slots(method, kw):
     bundle = random_bundle(seed=2, vocab=32, grid=(6, 6))

@@ -65,3 +65,39 @@ def test_generate_job_on_a_janus_bundle(janus_bundle, tmp_path, ray_session, cap
     assert all(Image.open(p).size == (GRID * f, GRID * f) for p in images)
     job = json.loads((out / "job.json").read_text())
     assert job["bundle"] == str(janus_bundle)
+
+
+def test_jacobi_job_on_a_janus_bundle_without_a_drafter(janus_bundle, tmp_path, ray_session, capsys):
+    """No drafter in the bundle: `--decode.method jacobi` runs (its drafts are the target's own
+    earlier predictions) and every image's tokens equal the engine's `ar` tokens."""
+    from adt_core import DecodeConfig, Generator, load_bundle
+    from adt_core.models.family_bundle import write_family_bundle
+    from adt_core.models.janus_prompt import JANUS_SAMPLING
+    from adt_core.config import SamplingConfig
+    from jobs.generate import main
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "target").symlink_to(janus_bundle / "target", target_is_directory=True)
+    comps = {"target": "target", "vq": "target", "tokenizer": "target"}
+    write_family_bundle(plain, "tiny-janus-plain", "janus", comps, {"grid": GRID}, SamplingConfig(**JANUS_SAMPLING))
+    rows = [{"prompt_id": f"p{i}", "prompt": "a dog " * (1 + i % 2) + str(i), "seed": 10 + i} for i in range(4)]
+    src = write_prompts(tmp_path / "p.parquet", rows)
+    out = tmp_path / "out"
+    code = main(["--job-id", "janus-jacobi", "--bundle", str(plain), "--input", str(src), "--output", str(out),
+                 "--num-actors", "1", "--batch-size", "4", "--decode.method", "jacobi", "--decode.batch-size", "2"])
+    assert code == 0, capsys.readouterr()
+    tele = {r["prompt_id"]: r for r in pq.read_table(out / "telemetry").to_pylist()}
+    assert all(r["status"] == "ok" and r["method"] == "jacobi" for r in tele.values())
+    bundle = load_bundle(plain)
+    assert bundle.drafter is None
+    ref = Generator(bundle, DecodeConfig(method="ar", batch_size=2)).generate([r["prompt"] for r in rows],
+                                                                               [r["seed"] for r in rows])
+    for row, res in zip(rows, ref):
+        assert tele[row["prompt_id"]]["tokens"] == res.tokens.flatten().tolist()
+    assert sum(r["num_accepted_draft_tokens"] for r in tele.values()) > 0
+    from jobs.report import main as report_main
+
+    assert report_main([str(out), "--out", str(tmp_path / "rep")]) == 0  # the report names it, maps its rounds
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "jacobi" in md and (tmp_path / "rep" / "report_tree_maps.png").exists()

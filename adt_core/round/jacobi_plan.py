@@ -1,0 +1,183 @@
+"""The jacobi method's round planner (budget "cost"): ADT-Tree's shapes, a measured node budget.
+
+Shapes are ADT-Tree's (adt_core/adaptive.py): each slot's depth d and width k from the adjacent
+token's round (deeper where the neighbours' drafts were accepted, wider where not), its node
+budget n = gamma d k. The batch's verify width M (nodes per slot; the forward is padded to it)
+comes from a model measured on this device and these images:
+
+- tokens a slot commits in a drafted round of width m: 1 + gain[m], measured per width in the
+  warm rounds of a run at that width (a window is as deep as the trees that fill it); an
+  unmeasured width takes a prior (a chain accepted level by level) scaled by the measured
+  widths' median ratio to the prior;
+- milliseconds of a round: a plain step's measured ms (`base`) times the cost table's ratio of a
+  forward of C (1 + m) tokens to one of C (C the capacity; the ratio made non-decreasing in m),
+  plus the measured overhead of a drafted round (scoring, tree building, the carry). Only the
+  table's shape is used: it is timed once, on the wall clock, and a shared machine's load
+  shifts it; the rounds are timed by this process's CPU time on a CPU. While drafting wins, one
+  plain step every PLAIN_EVERY rounds keeps `base` measured.
+
+M is the width bucket with the best modelled rate; the round drafts when that beats a plain
+step's modelled rate by EDGE. Every `probe` rounds a neighbour of the best width (one bucket
+wider or narrower, in turn; the best width itself while plain steps win) runs RUN rounds, the
+interval doubling (to PROBE_MAX) while probes leave the choice as it was, so a change (an easier
+region, fewer images in flight) is noticed.
+
+Why not adt's `BatchBudget` verdict: a Jacobi window holds predictions only while rounds verify
+it (a plain step predicts nothing past its root), so one-round alternation would compare drafted
+rounds over a cold window, and a losing verdict would never see a warm one. The first WARM
+rounds of a drafted run after plain steps update no gain for the same reason. Outputs never
+depend on any of this (greedy and coupled exactness).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from adt_core.round.adaptive import AdaptiveGrid, shape_budget
+from adt_core.round.budget import EDGE, EMA
+from adt_core.calibrate import CostTable
+from adt_core.config import AdaptiveConfig, DecodeConfig
+from adt_core.round.plan import Planner, ShapePlanner, planner_for
+from adt_core.round.state import RoundOutcome, RoundPlan, Slots
+
+WIDTHS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # verify widths the model weighs, cut to adaptive.n_max
+PRIOR = 0.7  # the prior's acceptance of a chain's first level (the j-th: PRIOR^j)
+RUN = 6  # drafted rounds of a probe
+WARM = 2  # drafted rounds after plain steps that update no gain (the window is still cold)
+PROBE, PROBE_MAX = 8, 256
+PLAIN_EVERY = 48  # drafted rounds between plain steps that measure `base` while drafting wins
+
+
+class JacobiPlanner(ShapePlanner):
+    """ADT-Tree's per-slot shapes with the verify width from a measured cost model."""
+
+    def __init__(self, n_tokens: int, cfg: AdaptiveConfig, grid: AdaptiveGrid, costs: CostTable, capacity: int,
+                 cpu: bool = False) -> None:
+        super().__init__(n_tokens, cfg, grid)
+        self.costs, self.capacity, self.cpu = costs, capacity, cpu
+        self.widths = tuple(m for m in WIDTHS if m <= cfg.n_max) or (cfg.n_max,)
+        self.gain: dict[int, float] = {}  # width -> measured extra tokens per slot and round
+        self.base: float | None = None  # measured ms of a plain step
+        self.over: float | None = None  # measured ms of a drafted round beyond base x the table's ratio
+        self.drafted = 0  # drafted rounds since the last plain step
+        self.run = 0  # drafted rounds in a row so far
+        self.left, self.trying = 0, 0  # probe rounds left, and the probed width
+        self.flip = 1  # the next probe's direction
+        self.before = 0  # the model's choice when the last probe started
+        self.idle, self.probe = 0, PROBE  # plain rounds since the last drafted one; the probe interval
+        self._c0 = 0.0
+
+    def adopt(self, earlier: "JacobiPlanner") -> None:
+        """Start from what an earlier decoder of the same Generator and capacity measured."""
+        self.gain, self.base, self.over, self.probe = dict(earlier.gain), earlier.base, earlier.over, earlier.probe
+
+    def share(self, other) -> None:
+        """The model is per capacity (nothing is shared)."""
+
+    # ---- the model ------------------------------------------------------------------------
+    def ratio(self, m: int) -> float:
+        """The table's forward of C (1 + m) tokens over one of C, non-decreasing in m."""
+        c = self.capacity
+        return max([1.0] + [self.costs.cost(c * (1 + w)) / self.costs.cost(c) for w in self.widths if w <= m])
+
+    def round_ms(self, m: int) -> float:
+        """Modelled ms of a round of width m (0: a plain step)."""
+        base = self.base if self.base is not None else self.costs.cost(self.capacity)
+        if m == 0:
+            return base
+        return max(base * self.ratio(m) + (self.over or 0.0), 1e-3)
+
+    def prior(self, m: int) -> float:
+        """Extra tokens of width m under the prior: a chain whose j-th level is accepted w.p. PRIOR^j."""
+        return sum(PRIOR ** j for j in range(1, min(m, self.cfg.d_max) + 1))
+
+    def gains(self, m: int) -> float:
+        """Modelled extra tokens per slot of width m: measured, else the prior scaled by the
+        measured widths' median ratio to it."""
+        if m in self.gain:
+            return self.gain[m]
+        ratios = sorted(g / self.prior(w) for w, g in self.gain.items())
+        return self.prior(m) * (ratios[len(ratios) // 2] if ratios else 1.0)
+
+    def rate(self, m: int) -> float:
+        """Modelled tokens per ms per slot of width m (0: a plain step)."""
+        return (1 + (self.gains(m) if m else 0.0)) / self.round_ms(m)
+
+    def choice(self) -> int:
+        """The width the model rates best (0: a plain step wins)."""
+        m = max(self.widths, key=self.rate)
+        return m if self.rate(m) > EDGE * self.rate(0) else 0
+
+    def _pick(self) -> int:
+        """This round's width: a probe's, a plain step measuring `base`, else the model's."""
+        if self.left > 0:
+            self.left -= 1
+            return self.trying
+        m = self.choice()
+        if m > 0 and (self.drafted >= PLAIN_EVERY or self.base is None and self.drafted >= RUN):
+            return 0  # a plain step measures `base`
+        self.idle += 1
+        if self.idle < self.probe:
+            return m
+        self.idle, self.before = 0, m
+        best = max(self.widths, key=self.rate)
+        i = self.widths.index(best) + (self.flip if m else 0)
+        self.flip = -self.flip
+        self.trying = self.widths[i] if 0 <= i < len(self.widths) else best
+        self.left = RUN - 1
+        return self.trying
+
+    # ---- planner interface ------------------------------------------------------------------
+    def plan(self, slots: Slots) -> RoundPlan | None:
+        self._c0 = time.process_time() * 1000.0
+        if not slots.active.any():
+            return None
+        m = self._pick()
+        if m == 0:
+            return None
+        d, k = self.shapes(slots)
+        d = np.minimum(d, m)  # a tree of m nodes is at most m deep
+        if d.max(initial=0) <= 0:
+            return None
+        budget = np.array([min(m, shape_budget(int(a), int(b), self.cfg)) if a > 0 else 0 for a, b in zip(d, k)])
+        return RoundPlan(int(d.max()), int(k[d > 0].max()), m, d, k, budget)
+
+    def _cost_ms(self, round_ms: float) -> float:
+        return (time.process_time() * 1000.0 - self._c0) if self.cpu else round_ms
+
+    def observe(self, plan: RoundPlan, outcome: RoundOutcome, slots: int, round_ms: float, draft_ms: float) -> None:
+        m = plan.nodes
+        self.run += 1
+        self.drafted += 1
+        if self.run > 1:  # a run's first round pays the switch (and, at start, one-off costs)
+            base = self.base if self.base is not None else self.costs.cost(self.capacity)
+            extra = self._cost_ms(round_ms) - base * self.ratio(m)
+            self.over = extra if self.over is None else self.over + EMA * (extra - self.over)
+        if self.run > WARM:
+            per_slot = float(outcome.accepted.sum()) / max(slots, 1)
+            was = self.gains(m)  # a first measurement moves the model's estimate, not replaces it
+            self.gain[m] = was + EMA * (per_slot - was)
+        self._probed()
+
+    def _probed(self) -> None:
+        """After a probe's last round: probe less often while the choice stays as it was."""
+        if self.left == 0 and self.trying:
+            same = self.choice() == self.before
+            self.probe = min(2 * self.probe, PROBE_MAX) if same else PROBE
+            self.trying = 0
+
+    def observe_plain(self, slots: int, round_ms: float) -> None:
+        self.run, self.drafted = 0, 0
+        ms = self._cost_ms(round_ms)
+        self.base = ms if self.base is None else self.base + EMA * (ms - self.base)
+
+
+def jacobi_planner(config: DecodeConfig, n_tokens: int, grid: AdaptiveGrid | None, costs: CostTable | None,
+                   capacity: int) -> Planner:
+    """method jacobi's planner: this module's with the cost budget, else adt's shapes (plan.planner_for)."""
+    if config.adaptive.budget == "cost":
+        return JacobiPlanner(n_tokens, config.adaptive, grid, costs, capacity, cpu=config.device == "cpu")
+    return planner_for(config, n_tokens, grid, costs, capacity)

@@ -1,0 +1,43 @@
+"""method "jacobi" (adt_core/round/jacobi.py): no drafter model; exactness lives in the shared round
+tests (test_batch, test_contract_round, test_forced_round, test_chameleon_round, test_engine's
+chi-square, test_round's host reads), this file holds what only jacobi has."""
+
+import pytest
+import torch
+
+from adt_core import AdaptiveConfig, DecodeConfig, Generator, LanternConfig, random_bundle
+from adt_core.memory import GB, bundle_plan
+
+PROMPTS = ["a red apple", "blue dog on grass", "sun"]
+SEEDS = [3, 14, 15]
+
+
+def test_a_bundle_without_a_drafter_runs_jacobi_and_equals_ar():
+    bundle = random_bundle(seed=3, vocab=16, grid=(4, 5))
+    bundle.drafter = None
+    with pytest.raises(ValueError, match="needs a drafter"):
+        Generator(bundle, DecodeConfig(method="eagle2"))
+    for kw in (dict(temperature=0.0, cfg_scale=3.0), dict(temperature=1.0, top_k=8, cfg_scale=1.0)):
+        ref = [r.tokens for r in Generator(bundle, DecodeConfig(method="ar", **kw)).generate(PROMPTS, SEEDS)]
+        res = Generator(bundle, DecodeConfig(method="jacobi", batch_size=2, adaptive=AdaptiveConfig(budget="shape"),
+                                             **kw)).generate(PROMPTS, SEEDS)
+        assert all(torch.equal(a, r.tokens) for a, r in zip(ref, res))
+        assert sum(r.stats.accepted_draft_tokens for r in res) > 0
+        assert all(r.stats.draft_forwards == 0 for r in res)  # no drafter model ran
+
+
+def test_memory_plan_counts_the_window_and_no_drafter_cache():
+    bundle = random_bundle(seed=3, vocab=16, grid=(4, 5))
+    bundle.drafter = None
+    ar = bundle_plan(bundle, DecodeConfig(method="ar"), 8 * GB)
+    jac = bundle_plan(bundle, DecodeConfig(method="jacobi"), 8 * GB)
+    rej = bundle_plan(bundle, DecodeConfig(method="jacobi", sampler="rejection", temperature=1.0), 8 * GB)
+    assert ar.window_per_image == 0 and jac.window_per_image > 0 and jac.drafter_kv_per_image == 0
+    assert jac.tokens_per_row > ar.tokens_per_row  # the widest tree's headroom in the target cache
+    assert rej.window_per_image > jac.window_per_image  # q rows over every code
+    assert "window" in jac.line()
+
+
+def test_lantern_with_the_jacobi_rejection_sampler_is_refused():
+    with pytest.raises(ValueError, match="jacobi"):
+        DecodeConfig(method="jacobi", lantern=LanternConfig(), sampler="rejection")
