@@ -71,8 +71,8 @@ def test_jacobi_job_on_a_janus_bundle_without_a_drafter(janus_bundle, tmp_path, 
     """No drafter in the bundle: `--decode.method jacobi` runs (its drafts are the target's own
     earlier predictions) and every image's tokens equal the engine's `ar` tokens."""
     from adt_core import DecodeConfig, Generator, load_bundle
-    from adt_core.models.family_bundle import write_family_bundle
-    from adt_core.models.janus_prompt import JANUS_SAMPLING
+    from adt_core.bundles.family_bundle import write_family_bundle
+    from adt_core.families.janus.prompt import JANUS_SAMPLING
     from adt_core.config import SamplingConfig
     from jobs.generate import main
 
