@@ -8,9 +8,10 @@ tests call `run(batch)` (every row as one table) without Ray.
 
 The whole Ray batch goes through one engine stream: up to `decode.batch_size` images in
 flight, the next prompt admitted as soon as one finishes. Order per prompt: the image
-finishes -> store the PNG at <output>/images/<safe prompt id>.png -> its row; the PNG is
-encoded and stored by a bounded pool of writer threads (pipeline.writer) while the engine
-decodes on, and a row joins the outbox only once its write is done. Rows leave in
+finishes -> store the PNG at <output>/images/<safe prompt id>.png -> its row. The engine
+runs in a decode thread of the call; each PNG is encoded and stored by a bounded pool of writer
+threads (pipeline.writer) while the engine decodes on, and the call's own thread (the generator
+Ray Data consumes) adds a row to the outbox as soon as its write is done. Rows leave in
 chunks, at most one every YIELD_EVERY_S (the rest when the call ends), each chunk packed
 into one Arrow row (`pack`) so Ray Data hands it on at once instead of merging it into a
 block of its own size target. The driver writes rows as they arrive, so an ok row always
@@ -43,6 +44,7 @@ import io
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -238,16 +240,45 @@ class GeneratorWorker:
         prompts.sort(key=lambda p: not p.measured)  # measured first: their rows calibrate the others' estimates
         baselines = self._baselines(prompts)
         out.expect_measured(set(baselines))
-        t0, wait0 = time.perf_counter(), self.writer.wait_s
-        for p, res in self._stream(prompts):  # as images finish: encoded and stored by the writer pool
-            for done in self.writer.submit(p, res, baselines.get(p.prompt_id)):
-                out.add(*done)
-            if out.due():
-                yield from out.release()
-        self.decode_s, self.write_wait_s = time.perf_counter() - t0, self.writer.wait_s - wait0
+        stop, failure = threading.Event(), []
+        decoding = threading.Thread(target=self._decode, args=(prompts, baselines, stop, failure), name="decode",
+                                    daemon=True)
+        decoding.start()
+        try:
+            while True:  # this thread yields rows as their writes finish; the decode thread never waits on it
+                self.writer.ready.clear()
+                ended = not decoding.is_alive()
+                for done in self.writer.done():
+                    out.add(*done)
+                if ended:
+                    break
+                if out.due():
+                    yield from out.release()
+                self.writer.ready.wait(max(0.005, YIELD_EVERY_S - (time.monotonic() - out.last)))
+        finally:
+            stop.set()  # the consumer closed the generator (or an error): stop after the current image
+            decoding.join()
+        if failure:
+            raise failure[0]
         for done in self.writer.drain():  # every image durable before the call's last rows
             out.add(*done)
         yield from out.release(final=True)
+
+    def _decode(self, prompts: list["_Prompt"], baselines: dict, stop: threading.Event, failure: list) -> None:
+        """The decode thread of one call: finished images go to the writer pool as they come."""
+        t0, wait0 = time.perf_counter(), self.writer.wait_s
+        stream = self._stream(prompts)
+        try:
+            for p, res in stream:
+                self.writer.submit(p, res, baselines.get(p.prompt_id))
+                if stop.is_set():
+                    break
+        except BaseException as e:  # noqa: BLE001 - handed to the yielding thread, which raises it
+            failure.append(e)
+        finally:
+            stream.close()
+            self.decode_s, self.write_wait_s = time.perf_counter() - t0, self.writer.wait_s - wait0
+            self.writer.ready.set()
 
     def run(self, batch: pa.Table) -> pa.Table:
         """Every row of one batch as one table (plain Python use: tests, notebooks)."""

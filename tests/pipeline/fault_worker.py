@@ -19,12 +19,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 import ray.cloudpickle
 
-from pipeline.worker import GeneratorWorker
+from pipeline.worker import GeneratorWorker, unpack
 
 # Ray's actors cannot import this file (tests/ is not a package on their path): ship it by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -55,15 +56,19 @@ def paced_worker(seconds: float) -> type:
 
 
 class _Paced(GeneratorWorker):
+    """Each image finishes `seconds` after the one before (the engine's pace, not the writer's)."""
+
     seconds = 0.0
 
-    def _row(self, *args, **kwargs):
-        time.sleep(self.seconds)
-        return super()._row(*args, **kwargs)
+    def _stream(self, prompts):
+        for item in super()._stream(prompts):
+            time.sleep(self.seconds)
+            yield item
 
 
 class _KillOnce(GeneratorWorker):
     marker = ""
+    kill_on_put = True  # (a writer thread) right after an image of the batch is stored
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -72,7 +77,7 @@ class _KillOnce(GeneratorWorker):
 
         def put_then_maybe_die(key, data, content_type=None):
             put(key, data, content_type)
-            if self.in_actor and self.batch_rows > 1 and key.startswith("images/"):
+            if self.in_actor and self.batch_rows > 1 and key.startswith("images/") and type(self).kill_on_put:
                 self._die_once()
 
         self.storage.put_bytes = put_then_maybe_die
@@ -92,23 +97,31 @@ class _KillOnce(GeneratorWorker):
 
 
 class _KillRecut(_KillOnce):
-    after_images = 2
+    """Dies from the yielding thread once `after_images` ok rows have been handed on (taken by
+    the consumer) and the batch has more to come; the killed attempt decodes at 0.3 s per image
+    so its rows leave one by one."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.stored = 0
+    after_images = 2
+    kill_on_put = False
 
     def __call__(self, batch):
         import pipeline.worker as w
 
         first = not os.path.exists(self.marker)
         w.YIELD_EVERY_S = 0.0 if first else 1e9  # this process only: per row, then per batch
-        yield from super().__call__(batch)
+        self.seconds = 0.3 if first else 0.0
+        handed = 0
+        for chunk in GeneratorWorker.__call__(self, batch):
+            yield chunk
+            handed += sum(s == "ok" for s in unpack(chunk)["status"].to_pylist())  # taken: the consumer asks on
+            if self.in_actor and self.after_images <= handed < batch.num_rows:
+                time.sleep(0.3)  # the chunk reaches the driver
+                self._die_once()
 
-    def _die_once(self) -> None:
-        self.stored += 1
-        if self.stored > self.after_images:
-            super()._die_once()
+    def _stream(self, prompts):
+        for item in super()._stream(prompts):
+            time.sleep(self.seconds)
+            yield item
 
 
 class _Placed(GeneratorWorker):
