@@ -126,10 +126,15 @@ class BenchConfig(BaseModel):
     caption_len: int = Field(32, ge=1, description="Caption tokens.")
 
 
-def parse_args(argv=None) -> BenchConfig:
-    """The options (exit 2 with a usage line and one error line on a bad flag or value)."""
+def build_parser() -> CliParser:
     ap = CliParser("python -m jobs.bench", description=__doc__)
     add_config_flags(ap, BenchConfig)
+    return ap
+
+
+def parse_args(argv=None) -> BenchConfig:
+    """The options (exit 2 with a usage line and one error line on a bad flag or value)."""
+    ap = build_parser()
     args = vars(ap.parse_args(argv))
     try:
         return build_model(BenchConfig, config_overrides(args, BenchConfig), what="options")
