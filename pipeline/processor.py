@@ -46,14 +46,13 @@ import pyarrow as pa
 
 from pipeline.cluster import plan_actors
 from pipeline.config import JobConfig, build_config
-from pipeline.shards import sample_key
+from pipeline.shards import IMAGE_STRUCT, sample_key
 from pipeline.telemetry import SCHEMA, STATUS_OK
 from pipeline.worker import GeneratorWorker, unpack
 
-IMAGE_TYPE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])  # datasets.Image's storage type
-_HF_FEATURES = {"info": {"features": {"image": {"_type": "Image"}}}}
+_HF_FEATURES = {"info": {"features": {"image": {"_type": "Image"}}}}  # the other columns: datasets infers them
 OUTPUT_SCHEMA = pa.schema(
-    [pa.field("image", IMAGE_TYPE, metadata={"doc": "the PNG as {bytes, path} (datasets.Image); null when failed"})]
+    [pa.field("image", IMAGE_STRUCT, metadata={"doc": "the PNG as {bytes, path} (datasets.Image); null when failed"})]
     + [f for f in SCHEMA if f.name != "image_key"],
     metadata={"huggingface": json.dumps(_HF_FEATURES)},
 )
@@ -131,4 +130,4 @@ def image_rows(rows: pa.Table, worker: GeneratorWorker) -> pa.Table:
         png = next(pngs) if st == STATUS_OK else None
         images.append(None if png is None else {"bytes": png, "path": f"{sample_key(pid)}.png"})
     out = rows.drop_columns(["image_key"])
-    return out.add_column(0, "image", pa.array(images, IMAGE_TYPE)).cast(OUTPUT_SCHEMA)
+    return out.add_column(0, "image", pa.array(images, IMAGE_STRUCT)).cast(OUTPUT_SCHEMA)
