@@ -257,7 +257,7 @@ class JobConfig(_Strict):
 # Loading: file + overrides -> JobConfig
 
 
-def format_validation_error(err: ValidationError) -> str:
+def format_validation_error(err: ValidationError, what: str = "job config") -> str:
     lines = []
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"]) or "<config>"
@@ -273,7 +273,7 @@ def format_validation_error(err: ValidationError) -> str:
         quiet = e["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) or secret
         tail = "" if quiet else f" (got {got!r})"
         lines.append(f"{where}: {msg}{tail}")
-    return "invalid job config:\n  " + "\n  ".join(lines)
+    return f"invalid {what}:\n  " + "\n  ".join(lines)
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -315,7 +315,7 @@ def build_model(model: type[M], data: dict[str, Any] | None = None, overrides: d
     try:
         return model.model_validate(merged)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e).replace("invalid job config", f"invalid {what}", 1)) from None
+        raise ConfigError(format_validation_error(e, what)) from None
 
 
 def build_config(data: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None) -> JobConfig:
