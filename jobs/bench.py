@@ -9,24 +9,28 @@
     python -m jobs.bench --bundle random --dim 512 --layers 6 --heads 8 --vocab 4096 --calibrate
 
 Speed is reported as ratios of medians measured in this run (never compared across runs).
+Flags: one per BenchConfig field (`_` or `-`, no abbreviations); a bad one exits 2.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar, Literal, Optional
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, LanternConfig, TreeConfig, load_bundle, random_bundle
 from adt_core.bundles.bundle import Bundle
 from adt_core.bundles.deepen import deepen, describe
 from adt_core.calibrate import SIZES, measure_draft_level, measure_target_cost
+from pipeline.cli import CliParser, add_config_flags, config_overrides
+from pipeline.config import ConfigError, build_model
 
 DEFAULT_METHODS = "ar,static,eagle2,adt,adt+cost,adt+lantern,adt+cost+lantern"
 
@@ -66,56 +70,76 @@ def sweep_specs() -> dict[str, dict]:
     return out
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m jobs.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bundle", default="emoji16", help="bundle name or directory, or 'random' for a random-init one")
-    ap.add_argument("--target-layers", type=int, default=None, metavar="N",
-                    help="deepen the target to N layers with null layers (adt_core/bundles/deepen.py): the bundle's "
-                         "own images at the cost of an N-layer target (emoji16 at 32: a Chameleon-7B-deep stand-in)")
-    ap.add_argument("--prompts", default="examples/prompts.parquet", help="Parquet with prompt_id, prompt[, seed]")
-    ap.add_argument("--limit", type=int, default=8, help="number of prompts to run")
-    ap.add_argument("--methods", default=DEFAULT_METHODS,
-                    help="comma list of ar, static, eagle2, adt, adt+cost, adt+lantern, adt+cost+lantern")
-    ap.add_argument("--no-baseline", dest="baseline", action="store_false",
-                    help="do not add 'ar' (acceptance statistics only: no speedups)")
-    ap.add_argument("--lantern-k", type=int, default=100, help="LANTERN: codebook neighbours considered")
-    ap.add_argument("--lantern-delta", type=float, default=0.5, help="LANTERN: mass moved per token (lossy)")
-    ap.add_argument("--sweep", action="store_true", help="ADT-Tree sensitivity study (temperature 0) instead")
-    ap.add_argument("--heatmaps", default=None, metavar="PNG",
-                    help="also draw depth / width / accepted maps of the adt runs of the first 4 prompts here")
-    ap.add_argument("--temperatures", default="0,default", help="comma list: numbers or 'default' (bundle defaults)")
-    ap.add_argument("--samplers", default="coupled", help="comma list of coupled, rejection (sampled rows only)")
-    ap.add_argument("--draft-scores", default="perturbed",
-                    help="comma list of perturbed, logq: the coupled drafts' path score (rerank, cost budget)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
-    ap.add_argument("--json", default=None, help="write the results as JSON here")
-    ap.add_argument("--calibrate", action="store_true", help="only measure target forward cost vs new tokens")
-    ap.add_argument("--throughput", action="store_true",
-                    help="images/s per method and engine batch size (jobs/throughput.py); --methods defaults to ar,eagle2,adt,jacobi")
-    ap.add_argument("--cost-curves", action="store_true",
-                    help="ms of a target forward at n = 1..64 new tokens per image for 1, 16, 64 images "
-                         "(jobs/cost_curves.py); with --xl also a random LlamaGen-XL-shaped target in bf16")
-    ap.add_argument("--xl", action="store_true", help="--cost-curves: add the LlamaGen-XL-shaped target")
-    ap.add_argument("--batches", default="1,4,16,64", help="--throughput: engine batch sizes")
-    ap.add_argument("--min-images", type=int, default=8, help="--throughput: images per cell at least (and the batch)")
-    ap.add_argument("--passes", type=int, default=2, choices=(1, 2), help="--throughput: passes per cell (best kept)")
-    ap.add_argument("--control", action="store_true",
-                    help="--throughput: also time ar as a method of its own (ar'): its ratio to ar is the noise")
-    ap.add_argument("--clock", default="wall", choices=("wall", "cpu"),
-                    help="--throughput: images per wall second, or per CPU second of this process (a shared CPU)")
-    ap.add_argument("--chart", default=None, metavar="PNG", help="--throughput: images/s vs batch chart")
-    ap.add_argument("--repeats", type=int, default=7, help="timed repeats per size in --calibrate")
-    g = ap.add_argument_group("random bundle (--bundle random)")
-    g.add_argument("--dim", type=int, default=512)
-    g.add_argument("--layers", type=int, default=6)
-    g.add_argument("--heads", type=int, default=8)
-    g.add_argument("--vocab", type=int, default=4096)
-    g.add_argument("--grid", type=int, nargs=2, default=(16, 16), metavar=("H", "W"))
-    g.add_argument("--caption-len", type=int, default=32)
-    return ap.parse_args(argv)
+class BenchConfig(BaseModel):
+    """jobs.bench's options (one flag per field: pipeline/cli.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    cli_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "modes (default: methods side by side)": ("sweep", "calibrate", "throughput", "cost_curves", "xl"),
+        "--throughput": ("batches", "min_images", "passes", "control", "clock", "chart"),
+        "LANTERN (adt+lantern methods)": ("lantern_k", "lantern_delta"),
+        "random bundle (--bundle random)": ("dim", "layers", "heads", "vocab", "grid", "caption_len"),
+    }
+
+    bundle: str = Field("emoji16", description="Bundle name or directory, or 'random' for a random-init one.")
+    target_layers: Optional[int] = Field(None, ge=1, description="Deepen the target to N layers with null layers "
+                                         "(adt_core/bundles/deepen.py): the bundle's own images at the cost of an "
+                                         "N-layer target (emoji16 at 32: a Chameleon-7B-deep stand-in).")
+    prompts: str = Field("examples/prompts.parquet", description="Parquet with prompt_id, prompt[, seed].")
+    limit: int = Field(8, ge=1, description="Number of prompts to run.")
+    methods: str = Field(DEFAULT_METHODS, description="Comma list of ar, static, eagle2, adt, adt+cost, adt+lantern, "
+                         "adt+cost+lantern.")
+    baseline: bool = Field(True, description="Add 'ar' (--no-baseline: acceptance statistics only, no speedups).")
+    heatmaps: Optional[str] = Field(None, description="Also draw depth / width / accepted maps of the adt runs of the "
+                                    "first 4 prompts into this PNG.")
+    temperatures: str = Field("0,default", description="Comma list: numbers or 'default' (bundle defaults).")
+    samplers: str = Field("coupled", description="Comma list of coupled, rejection (sampled rows only).")
+    draft_scores: str = Field("perturbed", description="Comma list of perturbed, logq: the coupled drafts' path score "
+                              "(rerank, cost budget).")
+    device: str = Field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu",
+                        description="Torch device (cuda when this process sees one).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype.")
+    threads: int = Field(0, ge=0, description="Torch CPU threads (0 = torch's default).")
+    json_path: Optional[str] = Field(None, alias="json", description="Write the results as JSON here.")
+    repeats: int = Field(7, ge=1, description="Timed repeats per size in --calibrate.")
+    sweep: bool = Field(False, description="ADT-Tree sensitivity study (temperature 0) instead.")
+    calibrate: bool = Field(False, description="Only measure target forward cost vs new tokens.")
+    throughput: bool = Field(False, description="Images/s per method and engine batch size (jobs/throughput.py); "
+                             "--methods defaults to ar,eagle2,adt,jacobi.")
+    cost_curves: bool = Field(False, description="Ms of a target forward at n = 1..64 new tokens per image for 1, 16, "
+                              "64 images (jobs/cost_curves.py); with --xl also a random LlamaGen-XL-shaped target in bf16.")
+    xl: bool = Field(False, description="--cost-curves: add the LlamaGen-XL-shaped target.")
+    batches: str = Field("1,4,16,64", description="Engine batch sizes.")
+    min_images: int = Field(8, ge=1, description="Images per cell at least (and the batch).")
+    passes: int = Field(2, ge=1, le=2, description="Passes per cell (best kept): 1 or 2.")
+    control: bool = Field(False, description="Also time ar as a method of its own (ar'): its ratio to ar is the noise.")
+    clock: Literal["wall", "cpu"] = Field("wall", description="Images per wall second, or per CPU second of this "
+                                          "process (a shared CPU).")
+    chart: Optional[str] = Field(None, description="Images/s vs batch chart (PNG).")
+    lantern_k: int = Field(100, ge=1, description="Codebook neighbours considered.")
+    lantern_delta: float = Field(0.5, ge=0, le=1, description="Mass moved per token (lossy).")
+    dim: int = Field(512, ge=1, description="Model width.")
+    layers: int = Field(6, ge=1, description="Target layers.")
+    heads: int = Field(8, ge=1, description="Attention heads.")
+    vocab: int = Field(4096, ge=2, description="Codebook size.")
+    grid: tuple[int, int] = Field((16, 16), description="Token grid H W.")
+    caption_len: int = Field(32, ge=1, description="Caption tokens.")
+
+
+def build_parser() -> CliParser:
+    ap = CliParser("python -m jobs.bench", description=__doc__)
+    add_config_flags(ap, BenchConfig)
+    return ap
+
+
+def parse_args(argv=None) -> BenchConfig:
+    """The options (exit 2 with a usage line and one error line on a bad flag or value)."""
+    ap = build_parser()
+    args = vars(ap.parse_args(argv))
+    try:
+        return build_model(BenchConfig, config_overrides(args, BenchConfig), what="options")
+    except ConfigError as e:
+        ap.error(" ".join(line.strip() for line in str(e).splitlines()))
 
 
 def get_bundle(args) -> Bundle:
@@ -285,7 +309,7 @@ def main(argv=None) -> int:
     if args.cost_curves:
         from jobs.cost_curves import run
 
-        run(bundle, args.device, args.dtype, args.xl, args.json)
+        run(bundle, args.device, args.dtype, args.xl, args.json_path)
         return 0
     if args.throughput:
         from jobs.throughput import throughput
@@ -294,12 +318,12 @@ def main(argv=None) -> int:
             args.methods = "ar,eagle2,adt,jacobi"
         prompts, seeds = read_prompts(args.prompts, 10**9)
         result = throughput(bundle, args, prompts, seeds)
-        print(f"\nwrote {args.json}" if args.json else "")
+        print(f"\nwrote {args.json_path}" if args.json_path else "")
         return 0
     result = calibrate(bundle, args) if args.calibrate else bench(bundle, args)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
-        print(f"\nwrote {args.json}")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(result, indent=2, default=str))
+        print(f"\nwrote {args.json_path}")
     return 0
 
 

@@ -6,9 +6,10 @@
     ray job submit --working-dir . -- python -m jobs.generate --config job.yaml
 
 Options come from pipeline.config.JobConfig: defaults < --config file < flags. Every
-flag below is one JobConfig field (dotted names reach nested fields). --bundle takes a
+flag below is one JobConfig field (dotted names reach nested fields; `_` and `-` are the
+same: --decode.batch_size 8 = --decode.batch-size 8; no abbreviations). --bundle takes a
 manifest too (infra/manifests/*.yaml: LlamaGen, Anole, Lumina-mGPT, Janus-Pro). Exit codes:
-0 done, 1 some rows failed (unless --allow-failures), 2 bad config, prompt input, resume or
+0 done, 1 some rows failed (unless --allow-failures), 2 bad flag or config, prompt input, resume or
 bundle, or a device that cannot hold one image, 3 Ray cluster unreachable or too small,
 4 storage unavailable, 5 output in use by another job, 6 interrupted (SIGTERM/SIGINT),
 7 internal error.
@@ -29,19 +30,13 @@ import logging
 import sys
 from typing import Optional
 
-from pipeline.cli import add_job_flags, job_overrides
+from pipeline.cli import CliParser, add_job_flags, job_overrides
 from pipeline.config import ConfigError, load_config
 from pipeline.driver import EXIT_BAD_INPUT, main_guarded
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m jobs.generate",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,  # `--num-act 3` must not silently mean --num-actors
-    )
+    p = CliParser("python -m jobs.generate", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--print-config", action="store_true", help="Print the resolved config (job.json form) and exit.")
     add_job_flags(p)
     return p

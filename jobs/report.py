@@ -12,7 +12,6 @@ Needs matplotlib: pip install 'adt-tree[report]'.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
 import json
@@ -27,6 +26,7 @@ import numpy as np
 
 from jobs.report_charts import MissingDependency, require_matplotlib
 from jobs.report_data import JobData, image_png, job_json, load, ok_rows, pick_samples
+from pipeline.cli import CliParser
 from pipeline.config import StorageSettings
 from pipeline.storage import Storage, StorageUnavailable, is_remote, open_storage, parse_uri
 
@@ -223,9 +223,8 @@ def make_report(uri: str, out: Optional[Path] = None, settings: Optional[Storage
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jobs.report", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)
+    p = CliParser("python -m jobs.report", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                  usage="python -m jobs.report OUTPUT [options]  (--help lists them)")
     p.add_argument("output", help="The job's output: a folder, file:// or s3:// URI.")
     p.add_argument("--out", type=Path, default=None, help="Report folder; default <output>/report (s3: ./reports/<name>).")
     p.add_argument("--endpoint-url", default=None, help="S3 endpoint to read the output from; default: the AWS "

@@ -11,7 +11,6 @@ target itself, so the grid shows the model, not the speculative decoder.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from adt_core import DecodeConfig, Generator, load_bundle
+from pipeline.cli import CliParser
 
 DEFAULT_ROWS = ("p000,p001,p002,p010,p020,p030,p040,p046,"  # training captions
                 "p048,p049,p050,p052,p054,p056,p058,p060")  # held-out captions
@@ -56,8 +56,7 @@ def compose(rows: list[tuple[str, list[np.ndarray]]], scale: int, split_after: i
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.samples", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = CliParser("python -m jobs.samples", description=__doc__)
     ap.add_argument("--bundle", default="emoji16")
     ap.add_argument("--prompts", default="examples/prompts.parquet")
     ap.add_argument("--rows", default=DEFAULT_ROWS, help="comma list of prompt ids, one grid row each")

@@ -15,7 +15,6 @@ ledger holding the first half (its selection time: what it read).
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -30,6 +29,7 @@ from typing import Any, Iterator, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.cli import CliParser
 from pipeline.config import JobConfig, build_config
 from pipeline.storage import image_key, open_storage
 from pipeline.telemetry import STATUS_OK, RowContext, _base_row
@@ -149,7 +149,7 @@ def run_size(n: int, root: Path, output: str, actors: int, images: bool, storage
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = CliParser("python -m jobs.scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="10000,100000", help="comma-separated prompt counts")
     p.add_argument("--actors", type=int, default=2)
     p.add_argument("--images", action="store_true", help="store a constant 1x1 PNG per prompt")

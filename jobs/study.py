@@ -23,11 +23,11 @@ Output (under --output, a path or s3:// prefix):
 A rerun with the same --output resumes: finished cells are skipped, a cell cut off midway is
 cleared and run again. Locally Ray runs in this process (one Ray for the whole grid); under
 `ray job submit` (RAY_ADDRESS set) or with --ray-address the cells run on that cluster.
+Flags: one per StudyConfig field (`_` or `-`, no abbreviations); a bad one exits 2.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -35,14 +35,16 @@ import os
 import sys
 import time
 from dataclasses import asdict
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field
 
 from jobs.report_charts import MissingDependency, require_matplotlib
 from jobs.study_table import CELL_COLUMNS, CellResult, CellSpec, charts, markdown, measure_cell, results_table, to_parquet_bytes
-from pipeline.config import DEFAULT_INPUT, StorageSettings, build_config, read_config_file
+from pipeline.cli import CliParser, add_config_flags, config_overrides
+from pipeline.config import DEFAULT_INPUT, ConfigError, StorageSettings, build_config, build_model, read_config_file
 from pipeline.ledger import read_telemetry
 from pipeline.storage import Storage, open_storage
 
@@ -58,29 +60,50 @@ def _words(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jobs.study", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)
-    p.add_argument("--output", default="outputs/study", help="Study prefix (path or s3://). [default: outputs/study]")
-    p.add_argument("--input", default=DEFAULT_INPUT, help=f"Prompt Parquet (file, folder, s3://). [default: {DEFAULT_INPUT}]")
-    p.add_argument("--bundles", default="emoji16", help="Comma list of bundles (NAME@N: NAME deepened to N layers by null layers, e.g. emoji16@32, a 32-layer stand-in with the same images). [default: emoji16]")
-    p.add_argument("--dtypes", default="float32", help="Comma list of decode.dtype values. [default: float32]")
-    p.add_argument("--methods", default="ar,eagle2,adt", help="Comma list of methods. [default: ar,eagle2,adt]")
-    p.add_argument("--batches", default="1,4,16", help="Comma list of decode.batch_size values. [default: 1,4,16]")
-    p.add_argument("--actors", default="1,2", help="Comma list of actor counts. [default: 1,2]")
-    p.add_argument("--images", type=int, default=16, help="Measured images per cell, after warm-up. [default: 16]")
-    p.add_argument("--warmup", type=int, default=None, help="Warm-up images per actor; none = the batch size.")
-    p.add_argument("--temperature", type=float, default=None, help="decode.temperature; none = the bundle's default.")
-    p.add_argument("--config", metavar="FILE", help="Base JobConfig (YAML/JSON) for every cell: device, storage, tree, ...")
-    p.add_argument("--ray-address", default=None, help="Ray cluster; none = RAY_ADDRESS if set, else a local Ray here.")
-    p.add_argument("--local-cpus", type=float, default=None,
-                   help="Logical CPUs of the local Ray; none = the cores this process may use + 1 (the spare the "
-                        "driver keeps for read/write tasks), so the actors together hold exactly those cores.")
+class StudyConfig(BaseModel):
+    """jobs.study's options (one flag per field: pipeline/cli.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    cli_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "the grid": ("bundles", "dtypes", "methods", "batches", "actors"),
+        "each cell": ("images", "warmup", "temperature", "config"),
+        "cluster": ("ray_address", "local_cpus"),
+    }
+
+    output: str = Field("outputs/study", description="Study prefix (path or s3://).")
+    input: str = Field(DEFAULT_INPUT, description="Prompt Parquet (file, folder, s3://).")
+    bundles: str = Field("emoji16", description="Comma list of bundles (NAME@N: NAME deepened to N layers by null "
+                         "layers, e.g. emoji16@32, a 32-layer stand-in with the same images).")
+    dtypes: str = Field("float32", description="Comma list of decode.dtype values.")
+    methods: str = Field("ar,eagle2,adt", description="Comma list of methods.")
+    batches: str = Field("1,4,16", description="Comma list of decode.batch_size values.")
+    actors: str = Field("1,2", description="Comma list of actor counts.")
+    images: int = Field(16, ge=1, description="Measured images per cell, after warm-up.")
+    warmup: Optional[int] = Field(None, ge=0, description="Warm-up images per actor; none = the batch size.")
+    temperature: Optional[float] = Field(None, ge=0, description="decode.temperature; none = the bundle's default.")
+    config: Optional[str] = Field(None, description="Base JobConfig (YAML/JSON) for every cell: device, storage, tree, ...")
+    ray_address: Optional[str] = Field(None, description="Ray cluster; none = RAY_ADDRESS if set, else a local Ray here.")
+    local_cpus: Optional[float] = Field(None, gt=0, description="Logical CPUs of the local Ray; none = the cores this "
+                                        "process may use + 1 (the spare the driver keeps for read/write tasks), so the "
+                                        "actors together hold exactly those cores.")
+
+
+def build_parser() -> CliParser:
+    p = CliParser("python -m jobs.study", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
+    add_config_flags(p, StudyConfig)
     return p
 
 
-def grid(args: argparse.Namespace) -> list[CellSpec]:
+def parse_args(argv: Optional[list[str]] = None) -> StudyConfig:
+    """The options (exit 2 with a usage line and one error line on a bad flag or value)."""
+    p = build_parser()
+    try:
+        return build_model(StudyConfig, config_overrides(vars(p.parse_args(argv)), StudyConfig), what="options")
+    except ConfigError as e:
+        p.error(" ".join(line.strip() for line in str(e).splitlines()))
+
+
+def grid(args: StudyConfig) -> list[CellSpec]:
     return [CellSpec(b, d, m, bt, a) for b in _words(args.bundles) for d in _words(args.dtypes) for a in _ints(args.actors)
             for bt in _ints(args.batches) for m in _words(args.methods)]
 
@@ -109,7 +132,7 @@ def write_prompts(store: Storage, src_uri: str, settings: StorageSettings, neede
     return store.uri_for(key)
 
 
-def _cell_config(base: dict[str, Any], spec: CellSpec, args: argparse.Namespace, prompts_uri: str, out_uri: str,
+def _cell_config(base: dict[str, Any], spec: CellSpec, args: StudyConfig, prompts_uri: str, out_uri: str,
                  limit: int, rows: int):
     data = json.loads(json.dumps(base))
     data.pop("config_hash", None)
@@ -123,7 +146,7 @@ def _cell_config(base: dict[str, Any], spec: CellSpec, args: argparse.Namespace,
     return build_config(data)
 
 
-def run_cell(store: Storage, spec: CellSpec, args: argparse.Namespace, base: dict[str, Any], prompts_uri: str) -> CellResult:
+def run_cell(store: Storage, spec: CellSpec, args: StudyConfig, base: dict[str, Any], prompts_uri: str) -> CellResult:
     import ray
 
     from pipeline.cluster import plan_actors
@@ -160,7 +183,7 @@ def write_outputs(store: Storage, results: list[CellResult]) -> pa.Table:
     return table
 
 
-def _init_ray(args: argparse.Namespace) -> None:
+def _init_ray(args: StudyConfig) -> None:
     import ray
 
     address = args.ray_address or os.environ.get("RAY_ADDRESS")
@@ -172,7 +195,7 @@ def _init_ray(args: argparse.Namespace) -> None:
              log_to_driver=True, _system_config={"worker_niceness": 0})  # a benchmark: actors at normal priority
 
 
-def run_study(args: argparse.Namespace) -> pa.Table:
+def run_study(args: StudyConfig) -> pa.Table:
     """Run (or resume) the grid; returns the study table."""
     require_matplotlib()  # fail before hours of cells, not after
     base = read_config_file(args.config) if args.config else {}
@@ -210,7 +233,7 @@ def run_study(args: argparse.Namespace) -> pa.Table:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         table = run_study(args)

@@ -155,7 +155,7 @@ def throughput(bundle: Bundle, args, prompts: list[str], seeds: list[int]) -> di
         methods.insert(0, "ar")
     if getattr(args, "control", False):
         methods.append("ar'")  # ar again, timed like the others: its ratio to ar is the instrument's noise
-    path = Path(args.json) if args.json else None
+    path = Path(args.json_path) if args.json_path else None
     out = json.loads(path.read_text()) if path and path.exists() else {}
     cfg_rows = 2 if bundle.sampling.use_cfg else 1
     if "floor" not in out:

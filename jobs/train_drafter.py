@@ -4,8 +4,9 @@
     python -m jobs.train_drafter --config jobs/train/recipes/emoji16.yaml --out outputs/train_emoji16
     python -m jobs.train_drafter ... --data <an earlier jobs.generate output>   # reuse its token grids
 
-One validated config (TrainDrafterConfig: defaults < --config file < flags < --set a.b=v),
-saved as OUT/train_config.json. Steps: (1) data: the project's batch job draws the target's
+One validated config (TrainDrafterConfig: defaults < --config file < flags < --set a.b=v;
+a flag per field, `--section.field` for nested ones: --train.lr 1e-3, --eval.methods
+[eagle2]; `_` or `-`, no abbreviations), saved as OUT/train_config.json. Steps: (1) data: the project's batch job draws the target's
 images for the prompts (method ar, the bundle's sampling defaults, token grids kept) into
 OUT/data, resumable, unless --data names an earlier output; (2) training: Ray Train workers
 (one per GPU, else CPU workers) fit the EAGLE-style head with the frozen target in each step,
@@ -15,7 +16,7 @@ model.safetensors fp16 + provenance.json), OUT/bundle (the bundle with this draf
 bundle directory) and OUT/result.json, written last: without it nothing in OUT is a result.
 Run the same command again to resume after a crash or a kill (data, training and export).
 
-Exit codes (docs/training.md): 0 done; 2 config, prompt input or bundle refused (or OUT holds
+Exit codes (docs/training.md): 0 done; 2 a bad flag, config, prompt input or bundle refused (or OUT holds
 a run with another config); 3 Ray cluster unreachable or too small; 4 output not writable or
 storage unavailable; 6 interrupted; 7 internal error; 8 training data unusable (empty, every
 row failed, token ids outside the codebook, another grid); 9 the bundle's model family has no
@@ -24,7 +25,6 @@ drafter head type; 10 training failed (workers failed more than train.max_failur
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -38,9 +38,10 @@ from typing import Any, Callable, Literal, Optional, Union
 import pyarrow.parquet as pq
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pipeline.config import ConfigError, StorageSettings, format_validation_error, read_config_file, set_dotted
+from pipeline.cli import CliParser, add_config_flags, config_overrides
+from pipeline.config import ConfigError, StorageSettings, build_model, read_config_file
 from pipeline.storage import Storage, is_remote, open_storage, parse_uri
 from pipeline.retry import StorageUnavailable
 from jobs.train.heads import HEADS, family_of
@@ -177,13 +178,7 @@ class TrainDrafterConfig(_Strict):
 
 
 def load_config(path: Optional[str], overrides: dict[str, Any]) -> TrainDrafterConfig:
-    merged = read_config_file(path) if path else {}
-    for key, value in overrides.items():
-        set_dotted(merged, key, value)
-    try:
-        return TrainDrafterConfig.model_validate(merged)
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e).replace("invalid job config", "invalid training config")) from None
+    return build_model(TrainDrafterConfig, read_config_file(path) if path else {}, overrides, what="training config")
 
 
 # ---------------------------------------------------------------- helpers
@@ -434,27 +429,19 @@ def _run_on_ray(cfg: TrainDrafterConfig, out: Storage, bundle, say, t_job: float
 # ---------------------------------------------------------------- command line
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jobs.train_drafter", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1], allow_abbrev=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> CliParser:
+    p = CliParser("python -m jobs.train_drafter", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--config", help="YAML / JSON file of TrainDrafterConfig fields (e.g. jobs/train/recipes/emoji16.yaml).")
-    p.add_argument("--bundle", help="Target bundle: directory, manifest, embedded name or random[:seed].")
-    p.add_argument("--prompts", help="Training prompts (Parquet file, folder or s3:// prefix).")
-    p.add_argument("--data", help="Reuse this earlier batch-job output's token grids instead of making them.")
-    p.add_argument("--out", help="Output root (path or s3://).")
-    p.add_argument("--eval-prompts", dest="eval.prompts", help="Held-out prompt Parquet for the acceptance evaluation.")
-    p.add_argument("--num-workers", dest="num_workers", type=int, help="Ray Train workers.")
-    p.add_argument("--steps", dest="train.steps", type=int, help="Optimizer steps.")
-    p.add_argument("--ray-address", dest="ray_address", help="Ray cluster address.")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="Any config field by dotted name (YAML value), e.g. --set train.lr=1e-3 --set eval.methods=[eagle2].")
     p.add_argument("--print-config", action="store_true", help="Print the resolved config and exit.")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="Any config field by dotted name (YAML value), e.g. --set train.lr=1e-3 (the same as "
+                        "--train.lr 1e-3; applied after the flags).")
+    add_config_flags(p, TrainDrafterConfig, aliases={"eval.prompts": ["--eval-prompts"], "train.steps": ["--steps"]})
     return p
 
 
 def overrides_from(args: dict[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in args.items() if k not in ("config", "set", "print_config") and v is not None}
+    out = config_overrides(args, TrainDrafterConfig)
     for item in args["set"]:
         key, sep, raw = item.partition("=")
         if not sep or not key:

@@ -20,7 +20,6 @@ batch. Extra flags are JobConfig flags (see
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import statistics
@@ -97,12 +96,11 @@ def pipeline_run(cfg) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.cli import add_job_flags, job_overrides
+    from pipeline.cli import CliParser, add_job_flags, job_overrides
     from pipeline.config import ConfigError, load_config
     from pipeline.prompts import derived_seed
 
-    parser = argparse.ArgumentParser(prog="python -m pipeline.bench", description=__doc__.split("\n\n")[0],
-                                     allow_abbrev=False)
+    parser = CliParser("python -m pipeline.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides [default: 1]")
     parser.add_argument("--repeats", type=int, default=2, help="alternating engine/pipeline rounds (medians reported) [default: 2]")
     add_job_flags(parser)

@@ -21,13 +21,14 @@ import types
 import typing
 from pathlib import Path
 from urllib.parse import urlparse
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.decode_config import DecodeSection, EngineFieldError, SubSection
 
+M = typing.TypeVar("M", bound=BaseModel)
 CONFIG_FILE = "job.json"
 DEFAULT_INPUT = "examples/prompts.parquet"  # in a checkout; installed wheels carry a copy (packaged_input)
 MIN_CPUS_PER_ACTOR = 0.25  # below this an actor (torch + a bundle) makes no progress and only costs memory
@@ -86,6 +87,15 @@ class StorageSettings(_Strict):
 
 class JobConfig(_Strict):
     """A whole generation job: what to read, how to decode, where to write, how to scale."""
+
+    # --help groups of the top-level fields (pipeline/cli.py); the rest are listed first.
+    cli_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "scale": ("device", "device_memory_gb", "num_actors", "gpus_per_actor", "cpus_per_actor", "batch_size"),
+        "output layout and ledger": ("output_format", "shard_size", "ledger_flush_rows", "telemetry_rows_per_file",
+                                     "lease_ttl_s", "lease_wait_s", "allow_config_change"),
+        "cluster": ("ray_address", "ray_connect_timeout_s", "gpu_wait_s", "node_lost_wait_s"),
+        "console": ("progress", "progress_interval_s"),
+    }
 
     job_id: Optional[str] = Field(
         None, description="Job name used in the default output path and telemetry; none = a timestamped id."
@@ -247,7 +257,7 @@ class JobConfig(_Strict):
 # Loading: file + overrides -> JobConfig
 
 
-def format_validation_error(err: ValidationError) -> str:
+def format_validation_error(err: ValidationError, what: str = "job config") -> str:
     lines = []
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"]) or "<config>"
@@ -263,7 +273,7 @@ def format_validation_error(err: ValidationError) -> str:
         quiet = e["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) or secret
         tail = "" if quiet else f" (got {got!r})"
         lines.append(f"{where}: {msg}{tail}")
-    return "invalid job config:\n  " + "\n  ".join(lines)
+    return f"invalid {what}:\n  " + "\n  ".join(lines)
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -295,15 +305,22 @@ def set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
     d[leaf] = value
 
 
-def build_config(data: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None) -> JobConfig:
-    """Validate `data` (e.g. a file's contents) with dotted-key `overrides` applied on top."""
+def build_model(model: type[M], data: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
+                what: str = "job config") -> M:
+    """Validate `data` (e.g. a file's contents) as `model` with dotted-key `overrides` on top
+    (ConfigError naming each offending field)."""
     merged: dict[str, Any] = json.loads(json.dumps(data or {}))  # deep copy of plain data
     for key, value in (overrides or {}).items():
         set_dotted(merged, key, value)
     try:
-        return JobConfig.model_validate(merged)
+        return model.model_validate(merged)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e)) from None
+        raise ConfigError(format_validation_error(e, what)) from None
+
+
+def build_config(data: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None) -> JobConfig:
+    """Validate `data` (e.g. a file's contents) with dotted-key `overrides` applied on top."""
+    return build_model(JobConfig, data, overrides)
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> JobConfig:
@@ -321,6 +338,7 @@ class FieldSpec(typing.NamedTuple):
     optional: bool  # None is allowed
     default: Any
     description: str
+    required: bool = False  # no default: the config file or a flag must give it
 
 
 def _strip_optional(tp: Any) -> tuple[Any, bool]:
@@ -337,15 +355,16 @@ def leaf_fields(model: type[BaseModel] = JobConfig, prefix: str = "") -> list[Fi
     out: list[FieldSpec] = []
     for name, info in model.model_fields.items():
         tp, optional = _strip_optional(info.annotation)
-        dotted = prefix + name
+        dotted = prefix + (info.alias or name)  # an alias is the key in files and on the command line
         if isinstance(tp, type) and issubclass(tp, BaseModel):
             if issubclass(tp, SubSection):  # also settable whole: --decode.lantern '{"delta": 0.3}' or none
                 whole = f"{info.description} One JSON object of the fields below."
                 out.append(FieldSpec(dotted, dict, optional, None, whole))
             out.extend(leaf_fields(tp, dotted + "."))
             continue
-        default = info.default_factory() if info.default_factory is not None else info.default
-        out.append(FieldSpec(dotted, tp, optional, default, info.description or ""))
+        required = info.is_required()
+        default = None if required else info.get_default(call_default_factory=True)
+        out.append(FieldSpec(dotted, tp, optional, default, info.description or "", required))
     return out
 
 

@@ -15,7 +15,6 @@ failed rows are retried by the day's own rerun, not by blocking later days).
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import sys
@@ -24,6 +23,7 @@ from typing import Optional
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.cli import CliParser
 from pipeline.config import StorageSettings
 from pipeline.ledger import done_ids
 from pipeline.prompts import open_prompts
@@ -89,14 +89,14 @@ def incremental_input(input_uri: str, root_uri: str, day: str, settings: Optiona
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipeline.schedule", description=__doc__.split("\n\n")[0],
-                                allow_abbrev=False)
+    p = CliParser("python -m pipeline.schedule", description=__doc__.split("\n\n")[0],
+                  usage="python -m pipeline.schedule {pending,incremental} [options]")
     sub = p.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("pending", allow_abbrev=False)
+    a = sub.add_parser("pending", prog="python -m pipeline.schedule pending")
     a.add_argument("--output-root", required=True)
     a.add_argument("--today", default=dt.datetime.now(dt.timezone.utc).strftime(DAY_FORMAT))
     a.add_argument("--lookback", type=int, default=7)
-    b = sub.add_parser("incremental", allow_abbrev=False)
+    b = sub.add_parser("incremental", prog="python -m pipeline.schedule incremental")
     b.add_argument("--input", required=True)
     b.add_argument("--output-root", required=True)
     b.add_argument("--day", required=True)

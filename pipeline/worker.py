@@ -17,6 +17,9 @@ into one Arrow row (`pack`) so Ray Data hands it on at once instead of merging i
 block of its own size target. The driver writes rows as they arrive, so an ok row always
 means the image exists; a retried batch rewrites the same keys (no duplicates).
 
+With `store_images=False` (pipeline.processor, the engine as a Ray Data stage) the PNGs are
+not written: the worker keeps each one until `take_pngs` collects it beside its row.
+
 A sampled fraction of prompts (`baseline_fraction`) is also decoded with vanilla AR before
 the batch itself, at the occupancy the speculative engine has: the measured prompts are
 decoded together with other prompts of the call (whose AR images are dropped) so that AR runs
@@ -46,6 +49,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -178,7 +182,9 @@ class GeneratorWorker:
     """Callable class for `Dataset.map_batches(..., batch_format="pyarrow")`."""
 
     def __init__(self, config: dict | JobConfig, device: Optional[str] = None, num_threads: Optional[int] = None,
-                 run_id: Optional[str] = None):
+                 run_id: Optional[str] = None, store_images: bool = True):
+        """store_images=False: PNGs are kept for `take_pngs` instead of written to the output
+        (pipeline.processor: images as columns); rows then have no image_key."""
         import torch
 
         import adt_core
@@ -215,6 +221,9 @@ class GeneratorWorker:
         self.ready_line = (f"worker ready {_process_age():.0f} s after its process started: bundle {self.bundle.name} "
                            f"loaded in {t1 - t0:.1f} s{cost_note} ({dev_name}, {in_flight} in flight); {self.memory.line()}")
         self.writer = ImageWriter(self._row, max_pending=max(2 * in_flight, 16))
+        self.store_images = store_images
+        self._kept: dict[str, deque[bytes]] = {}  # prompt id -> PNGs not stored (store_images=False)
+        self._kept_lock = threading.Lock()  # writer threads add, the yielding thread takes
         self.decode_s = self.write_wait_s = 0.0  # the last call's decode loop, and its time blocked on writes
         if self.in_actor:
             print(self.ready_line, flush=True)  # Ray forwards it to the driver's console and job logs
@@ -291,16 +300,30 @@ class GeneratorWorker:
         sharded = self.cfg.output_format != "files"
         try:
             png = encode_png(res.image)
-            key = None if sharded else image_key(p.prompt_id)
+            key = None if sharded or not self.store_images else image_key(p.prompt_id)
             if key is not None:
                 self.storage.put_bytes(key, png, "image/png")  # image before its row
             row = ok_row(self.ctx, p.prompt_id, p.seed, key, res, prompt=p.prompt)
+            if key is None and not sharded:
+                with self._kept_lock:
+                    self._kept.setdefault(p.prompt_id, deque()).append(png)
         except Exception as e:  # noqa: BLE001 - a storage or encoding error fails this row only
             log.warning("prompt %s failed after generation: %s", p.prompt_id, _describe(e))
             return failed_row(self.ctx, p.prompt_id, p.seed, _describe(e), prompt=p.prompt), None
         if baseline is not None:
             add_baseline(row, *baseline)
         return row, (Sample(sample_key(p.prompt_id), png, row) if sharded else None)
+
+    def take_pngs(self, prompt_ids: list[str]) -> list[Optional[bytes]]:
+        """The kept PNG of each prompt id (store_images=False; None for a failed row), in order."""
+        out = []
+        with self._kept_lock:
+            for pid in prompt_ids:
+                kept = self._kept.get(pid)
+                out.append(kept.popleft() if kept else None)
+                if kept is not None and not kept:
+                    del self._kept[pid]
+        return out
 
     def write_shards(self, samples: list[Sample]) -> list[dict]:
         """Shards of these images, before their rows leave; returns the rows (failed ones when

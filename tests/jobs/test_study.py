@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from jobs.study import build_parser, cell_counts, run_study  # noqa: E402
+from jobs.study import cell_counts, parse_args, run_study  # noqa: E402
 from jobs.study_table import CellResult, CellSpec, measure_cell, results_table  # noqa: E402
 
 
@@ -24,7 +24,7 @@ def ray_local(ray_session):
 def _args(tmp_path, methods: str):
     pq.write_table(pa.Table.from_pylist([{"prompt_id": f"p{i}", "prompt": f"a face {i}"} for i in range(3)]),
                    tmp_path / "prompts.parquet")
-    return build_parser().parse_args([
+    return parse_args([
         "--output", str(tmp_path / "study"), "--input", str(tmp_path / "prompts.parquet"), "--bundles", "random:0",
         "--methods", methods, "--batches", "1,2", "--actors", "1", "--images", "3", "--warmup", "1",
         "--temperature", "0", "--config", str(_config(tmp_path)),
