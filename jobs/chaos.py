@@ -23,7 +23,6 @@ starts it stops by handle or PID. `tests/pipeline/test_chaos.py` runs a short se
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -339,7 +338,9 @@ def chaos(runs: int, seed: int, prompts: int, n_faults: int, say: Callable[[str]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jobs.chaos", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    from pipeline.cli import CliParser
+
+    p = CliParser("python -m jobs.chaos", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompts", type=int, default=24, help="prompts per run")

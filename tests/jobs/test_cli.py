@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobs import bench, generate, report, samples, scale, study, train_drafter
+from jobs import bench, chaos, generate, report, samples, scale, study, train_drafter
 from pipeline import bench as pipeline_bench
 from pipeline.cli import EXIT_BAD_FLAG
 
@@ -21,7 +21,7 @@ JOBS = {
 }
 MAINS = {"generate": generate.main, "bench": bench.main, "study": study.main, "train_drafter": train_drafter.main,
          "report": lambda argv: report.main(["outputs/x", *argv]), "pipeline.bench": pipeline_bench.main,
-         "samples": samples.main, "scale": scale.main}
+         "samples": samples.main, "scale": scale.main, "chaos": chaos.main}
 
 
 def _dashed(argv: list[str]) -> list[str]:
