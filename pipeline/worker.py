@@ -28,7 +28,7 @@ of its rounds, so AR with fewer images in flight would look slower per image on 
 whose forward is flat in batch size). A row's speedup is set only when the two occupancies
 agree (telemetry.like_for_like). The measured prompts enter the engine first, and the
 batch's rows wait until they have finished, so every row's estimated speedup is calibrated
-on the batch's like-for-like measured rows (`_Outbox`). With output_format
+on the batch's like-for-like measured rows (`pipeline.outbox.Outbox`). With output_format
 webdataset / parquet, rows leave once their images are in a written shard
 (`shard_size` images, or the call's images when the call ends: pipeline.shards).
 
@@ -63,31 +63,13 @@ from pipeline.progress import quiet_progress_bars
 from pipeline.prompts import MAX_SEED, derived_seed, row_problem
 from pipeline.shards import Sample, sample_key, write_shards
 from pipeline.storage import image_key, open_storage
-from pipeline.telemetry import (SCHEMA, RowContext, add_baseline, calibrate_estimates, empty_table, failed_row, ok_row,
-                                to_table)
+from pipeline.telemetry import RowContext, add_baseline, empty_table, failed_row, ok_row
+from pipeline.outbox import Outbox, pack, unpack  # noqa: F401 - pack / unpack: the worker's chunk format
 from pipeline.writer import ImageWriter
 
 log = logging.getLogger(__name__)
 
 YIELD_EVERY_S = 0.25  # rows leave a call at most this often (one Ray object and one ledger part each)
-PACKED_COLUMN = "rows"
-PACKED_TYPE = pa.list_(pa.struct(list(SCHEMA)))
-
-
-def pack(rows: list[dict]) -> pa.Table:
-    """Telemetry rows -> one Arrow row holding them all (column `rows`: list<telemetry struct>)."""
-    structs = to_table(rows).to_struct_array().combine_chunks()
-    return pa.table({PACKED_COLUMN: pa.ListArray.from_arrays(pa.array([0, len(rows)], pa.int32()), structs)})
-
-
-def unpack(table: pa.Table) -> pa.Table:
-    """The telemetry rows of packed chunks (the inverse of `pack`, for any number of chunks)."""
-    if table.num_rows == 0:
-        return empty_table()
-    structs = table[PACKED_COLUMN].combine_chunks().flatten()
-    return pa.Table.from_struct_array(structs).cast(SCHEMA)
-
-
 class WorkerDied(RuntimeError):
     """An unrecoverable engine failure outside Ray (inside Ray the process exits instead)."""
 
@@ -234,7 +216,7 @@ class GeneratorWorker:
     def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
         """Ray Data's entry point: one batch of prompt rows in, packed chunks of telemetry rows
         out as images finish (`pack`; at most one chunk every YIELD_EVERY_S, the rest at the end)."""
-        out = _Outbox(self, self.cfg.output_format != "files")
+        out = Outbox(self, self.cfg.output_format != "files", YIELD_EVERY_S)
         prompts = []
         for r in batch.to_pylist() if isinstance(batch, pa.Table) else _dict_batch_rows(batch):
             pid, prompt, seed = r["prompt_id"], r.get("prompt"), r.get("seed")
@@ -409,63 +391,6 @@ class _Prompt:
     prompt: str
     seed: int
     measured: bool  # also decoded with vanilla AR (baseline_fraction)
-
-
-class _Outbox:
-    """One call's rows on their way out. A row leaves once (1) its speedup estimate is final:
-    rows wait until every measured prompt of the call has finished, then all estimates are
-    scaled by the measured / modelled ratio of those rows (telemetry.calibrate_estimates), and
-    (2) with shard outputs, its image is in a written shard (every `shard_size` images, else at
-    the end of the call)."""
-
-    def __init__(self, worker: GeneratorWorker, sharded: bool):
-        self.worker, self.sharded = worker, sharded
-        self.waiting: list[dict] = []  # rows whose estimate is not final yet
-        self.ready: list[dict] = []  # rows that may leave
-        self.samples: list[Sample] = []  # images of final rows not in a shard yet
-        self.measured: set[str] = set()  # measured prompts not finished yet
-        self.anchors: Optional[list[dict]] = None  # (speedup, modelled estimate) of the measured rows
-        self.last = time.monotonic()
-
-    def expect_measured(self, prompt_ids: set[str]) -> None:
-        self.measured = set(prompt_ids)
-
-    def add(self, row: dict, sample: Optional[Sample] = None) -> None:
-        self.measured.discard(row["prompt_id"])
-        self.waiting.append(row)
-        if sample is not None:
-            self.samples.append(sample)
-
-    def due(self) -> bool:
-        return time.monotonic() - self.last >= YIELD_EVERY_S
-
-    def _finalise(self, final: bool) -> None:
-        """Calibrate the waiting rows' estimates once the measured rows are in; they may leave."""
-        ok = [r for r in self.waiting if r["status"] == "ok"]
-        if self.anchors is None:
-            if self.measured and not final:
-                return
-            self.anchors = [{"speedup": r["speedup"], "estimated_speedup": r["estimated_speedup"]}
-                            for r in ok if r.get("speedup") and r.get("estimated_speedup")]
-            calibrate_estimates(ok)  # the measured rows are among these
-        else:
-            calibrate_estimates([dict(a) for a in self.anchors] + ok)  # the copies carry the measured ratio
-        in_shard = {id(s.row) for s in self.samples}
-        self.ready += [r for r in self.waiting if id(r) not in in_shard]
-        self.waiting = []
-
-    def release(self, final: bool = False) -> Iterator[pa.Table]:
-        self._finalise(final)
-        size = self.worker.cfg.shard_size
-        if self.sharded and self.anchors is not None and self.samples and (final or (size and len(self.samples) >= size)):
-            cut = len(self.samples) if final else len(self.samples) // size * size
-            self.ready += self.worker.write_shards(self.samples[:cut])
-            self.samples = self.samples[cut:]
-        if self.ready:
-            self.worker.metrics.record(self.ready)
-            yield pack(self.ready)
-            self.ready = []
-        self.last = time.monotonic()
 
 
 def _dict_batch_rows(batch: dict) -> list[dict]:
