@@ -212,7 +212,7 @@ def _pump(run: PoolRun, plan: ActorPlan) -> None:
     watch = PoolWatch(plan, run.cfg.node_lost_wait_s, run.interrupt)
     todo, passes = run.todo, 0
     try:
-        with watch:
+        with watch, progress.foreign_output_below():
             while todo and passes < REDO_PASSES:
                 if passes:
                     run.say(f"{len(todo)} prompt(s) came back without a row (a batch retried after its actor or node "

@@ -14,11 +14,13 @@ download and "Loading weights" bars.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import threading
 import time
-from typing import Any, Callable, Optional, TextIO
+from typing import Any, Callable, Iterator, Optional, TextIO
 
 BAR_WIDTH = 24
 TENTHS = 10  # a plain line at every tenth of the images
@@ -42,6 +44,8 @@ class Progress:
     def __init__(self, total: int, say: Callable[[str], None], interval_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic, bar: Optional[TextIO] = None):
         self.total, self.say, self.interval_s, self.clock, self.bar = total, say, interval_s, clock, bar
+        self.bar_open = False  # the bar is on the terminal's current line (no newline after it)
+        self.lock = threading.RLock()  # bar redraws vs. foreign output (Ray's log thread)
         self.done = self.ok = 0
         self.started = clock()
         self.first: Optional[tuple[float, int]] = None  # (time, rows) of the first rows
@@ -65,7 +69,8 @@ class Progress:
 
     def _maybe_say(self, now: float, new_rows: bool) -> None:
         if self.bar is not None:
-            self._draw(now)
+            with self.lock:
+                self._draw(now)
             return
         tenth = self.done * TENTHS // self.total if self.total else TENTHS
         first_rows = new_rows and not self.rows_said
@@ -115,8 +120,50 @@ class Progress:
         end = "\n" if self.done >= self.total else ""
         self.bar.write(f"\r{text}\x1b[K{end}")
         self.bar.flush()
+        self.bar_open = not end
         self.lines += 1
         self.last_said = now
+
+    @contextlib.contextmanager
+    def foreign_output_below(self) -> Iterator[None]:
+        """While a bar is drawn, text written to sys.stdout / sys.stderr by anyone else (Ray's
+        forwarded worker lines, warnings) starts on a cleared line instead of after the bar, and
+        the bar is drawn again under each finished line. No-op without a bar."""
+        if self.bar is None:
+            yield
+            return
+        saved = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _BelowBar(sys.stdout, self), _BelowBar(sys.stderr, self)
+        try:
+            yield
+        finally:
+            sys.stdout, sys.stderr = saved
+
+
+class _BelowBar:
+    """A stream in front of sys.stdout / sys.stderr for `Progress.foreign_output_below`."""
+
+    def __init__(self, inner: TextIO, progress: Progress):
+        self._inner, self._progress = inner, progress
+
+    def write(self, text: str) -> int:
+        p = self._progress
+        with p.lock:
+            if text and p.bar_open:
+                p.bar.write("\r\x1b[K")  # clear the bar's line; the text takes it
+                p.bar.flush()
+                p.bar_open = False
+            n = self._inner.write(text)
+            if text.endswith("\n") and p.done < p.total and p.lines:
+                self._inner.flush()
+                p._draw(p.clock())  # the bar again, under the foreign line
+            return n
+
+    def flush(self) -> None:
+        self._inner.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 def is_terminal(stream: Any) -> bool:

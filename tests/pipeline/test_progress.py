@@ -84,6 +84,25 @@ def test_a_terminal_gets_one_bar_redrawn_in_place():
     assert frames[-1].startswith("[" + "#" * 24 + "] 4/4 100% ok 3 1.33 images/s")  # over the run, as the summary
 
 
+def test_foreign_lines_do_not_glue_onto_the_bar(monkeypatch):
+    """Ray prints forwarded worker lines to sys.stdout / sys.stderr from its own thread: while a
+    bar is drawn they start on a cleared line and the bar comes back under them."""
+    term = io.StringIO()
+    monkeypatch.setattr("sys.stdout", term)
+    monkeypatch.setattr("sys.stderr", term)
+    now = [0.0]
+    p = Progress(4, lambda s: None, clock=lambda: now[0], bar=term)
+    with p.foreign_output_below():
+        p.add(1, 1)
+        print("(MapWorker pid=7) worker ready")  # what Ray's log thread does
+        now[0] = 2.0
+        p.add(3, 3)
+    text = term.getvalue()
+    assert "ok 1 \x1b[K\r\x1b[K(MapWorker pid=7) worker ready\n\r[" in text  # the bar's line cleared, then redrawn below
+    assert text.endswith("\n") and "4/4 100%" in text.rsplit("\r", 1)[1]
+    assert __import__("sys").stdout is term  # restored
+
+
 def test_other_libraries_progress_is_off_unless_asked(monkeypatch):
     from ray.data import DataContext
 
