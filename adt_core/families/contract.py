@@ -261,3 +261,27 @@ class Decoder(Protocol):
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """codes (B, H, W) long -> uint8 images (B, H*f, W*f, 3)."""
         ...
+
+
+# ---- optional members ---------------------------------------------------------------------
+# A family's model may have these or not; the engine reads them through these functions only:
+#   Drafter.rope                  a position table (LlamaGen's 2-D RoPE): later positions clamp to its end
+#   Drafter.config.caption_pairs  True: the drafter reads (code 0, h_j) pairs at caption positions (LANTERN)
+#   Decoder.cfg.ch, .ch_mult      a VQ-GAN decoder's channels (its full-resolution level's activations)
+def max_position(drafter: Drafter) -> int | None:
+    """The last position a drafter's position table holds (None: no table, positions unbounded)."""
+    rope = getattr(drafter, "rope", None)
+    return len(rope) - 1 if rope is not None else None
+
+
+def reads_caption_pairs(drafter: Drafter) -> bool:
+    """Whether a drafter reads the caption positions' pairs on admission (LANTERN-style drafters)."""
+    return bool(getattr(getattr(drafter, "config", None), "caption_pairs", False))
+
+
+def full_res_channels(decoder: Decoder) -> int | None:
+    """Channels of a VQ-GAN decoder's full-resolution level (None: not a VQ-GAN decoder)."""
+    cfg = getattr(decoder, "cfg", None)
+    if cfg is None or not hasattr(cfg, "ch"):
+        return None
+    return cfg.ch * cfg.ch_mult[0]
