@@ -10,6 +10,9 @@ interfaces:
     Drafter    forward(tokens, hidden, positions, mask, cache) -> features (through target.head)
     Decoder    codes (B, H, W) -> uint8 pixels (B, H*f, W*f, 3)
 
+Optional members (a position table, a LANTERN drafter's caption pairs, a VQ-GAN decoder's
+channels) are declared at the end of this file and read only through its functions there.
+
 Vocabulary used below. Image index i in [0, N), N = H * W codes in raster order. A row r
 (a KV-cache row: slot b is row b (cond) and, with CFG, row B + b (uncond)) holds its prompt
 entries 0 .. base[r] - 1 (base = PromptRows.lengths), then the generated sequence: image
@@ -244,6 +247,8 @@ class Target(Protocol):
 
 @runtime_checkable
 class Drafter(Protocol):
+    fc: torch.nn.Linear  # EAGLE's input projection fc([embed(token); hidden]): its weight gives width, device, dtype
+
     def new_cache(self, rows: int, max_len: int, device=None, dtype=None) -> KVCache: ...
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
@@ -265,12 +270,12 @@ class Decoder(Protocol):
 
 # ---- optional members ---------------------------------------------------------------------
 # A family's model may have these or not; the engine reads them through these functions only:
-#   Drafter.rope                  a position table (LlamaGen's 2-D RoPE): later positions clamp to its end
+#   Target.rope, Drafter.rope     a position table (LlamaGen's 2-D RoPE): later positions clamp to its end
 #   Drafter.config.caption_pairs  True: the drafter reads (code 0, h_j) pairs at caption positions (LANTERN)
 #   Decoder.cfg.ch, .ch_mult      a VQ-GAN decoder's channels (its full-resolution level's activations)
-def max_position(drafter: Drafter) -> int | None:
-    """The last position a drafter's position table holds (None: no table, positions unbounded)."""
-    rope = getattr(drafter, "rope", None)
+def max_position(model: Target | Drafter) -> int | None:
+    """The last position a model's position table holds (None: no table, positions unbounded)."""
+    rope = getattr(model, "rope", None)
     return len(rope) - 1 if rope is not None else None
 
 

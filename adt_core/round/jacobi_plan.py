@@ -1,6 +1,6 @@
 """The jacobi method's round planner (budget "cost"): ADT-Tree's shapes, a measured node budget.
 
-Shapes are ADT-Tree's (adt_core/adaptive.py): each slot's depth d and width k from the adjacent
+Shapes are ADT-Tree's (adt_core/round/adaptive.py): each slot's depth d and width k from the adjacent
 token's round (deeper where the neighbours' drafts were accepted, wider where not), its node
 budget n = gamma d k. The batch's verify width M (nodes per slot; the forward is padded to it)
 comes from a model measured on this device and these images:
