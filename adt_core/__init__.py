@@ -1,5 +1,6 @@
-"""adt_core: exact speculative decoding (EAGLE-2, static and ADT-Tree draft trees) for
-LlamaGen-architecture visual autoregressive models. Torch only: no Ray, no storage."""
+"""adt_core: exact speculative decoding (EAGLE-2, static and ADT-Tree draft trees, Jacobi windows)
+for visual autoregressive models of any registered family (adt_core/families/registry.py:
+LlamaGen, Chameleon, Janus). Torch only: no Ray, no storage."""
 
 from adt_core.bundles.bundle import Bundle, random_bundle, save_bundle
 from adt_core.bundles.loader import load_bundle

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from adt_core.families.contract import Target
+from adt_core.families.contract import Drafter, Prompter, Target, max_position
 
 SIZES = (1, 8, 16, 32, 64)
 
@@ -129,21 +129,20 @@ def measure_target_cost(
     target: Target,
     rows: int = 2,
     sizes: tuple[int, ...] = SIZES,
-    prefix_len: int | None = None,
+    *,
+    prefix_len: int,
     repeats: int = 7,
     warmup: int = 2,
     slots: int = 1,
 ) -> CostTable:
     """Time of a target forward carrying each total in `sizes`, split over up to `slots`
     slots (rows: 2 per slot with classifier-free guidance, else 1) on a cached prefix of
-    `prefix_len` (the Generator passes its prompter's typical prompt plus half the image, a
-    typical mid-image state; default: a caption-conditioned target's config, `cls_token_num`
-    caption rows plus half its image tokens). Any family's target: ids up to its vocabulary size."""
-    cfg = target.config
+    `prefix_len` entries (`typical_prefix`: a typical mid-image state). Any family's target: ids
+    up to its vocabulary size."""
     dev = next(target.parameters()).device
-    prefix = prefix_len if prefix_len is not None else cfg.cls_token_num + cfg.num_image_tokens // 2
+    prefix = prefix_len
     vocab_size = target.vocab.vocab_size
-    max_pos = len(target.rope) - 1 if hasattr(target, "rope") else None
+    max_pos = max_position(target)
     timer = Timer(dev)
     causal = lambda n: torch.ones(n, n, dtype=torch.bool, device=dev).tril()  # noqa: E731
     out: dict[int, float] = {}
@@ -164,20 +163,20 @@ def measure_target_cost(
 
 
 @torch.inference_mode()
-def measure_draft_cost(drafter, head, cfg_scale: float, rows: int, sizes: tuple[int, ...], slots: int = 1,
-                       prefix_len: int = 128, repeats: int = 5, warmup: int = 1,
-                       vocab_size: int | None = None) -> dict[int, float]:
+def measure_draft_cost(drafter: Drafter, head, cfg_scale: float, rows: int, sizes: tuple[int, ...], slots: int = 1,
+                       prefix_len: int = 128, repeats: int = 5, warmup: int = 1, *,
+                       vocab_size: int) -> dict[int, float]:
     """Milliseconds of one draft level carrying each total of frontier tokens in `sizes`
     (split over up to `slots` slots): a drafter forward under a mask on a cached prefix, the
-    target's head, CFG mixing and the top-k of every node, as `TreeProposer` runs it. Token ids
-    are drawn below `vocab_size` (the target's; default: the drafter's own embedding rows)."""
+    target's head, CFG mixing and the top-k of every node, as `round/draft.py`'s `BatchDrafter` runs it. Token ids
+    are drawn below `vocab_size` (the target's)."""
     from adt_core.round.sampling import cfg_mix
 
     w = drafter.fc.weight
     dim = w.shape[0]
-    vocab_size = vocab_size or drafter.embed_tokens.num_embeddings
     timer = Timer(w.device)
-    prefix = max(1, min(prefix_len, len(drafter.rope) - 2)) if hasattr(drafter, "rope") else prefix_len
+    mp = max_position(drafter)
+    prefix = max(1, min(prefix_len, mp - 1)) if mp is not None else prefix_len
     out: dict[int, float] = {}
     for total in sizes:
         b, f = _split(total, slots)
@@ -198,6 +197,12 @@ def measure_draft_cost(drafter, head, cfg_scale: float, rows: int, sizes: tuple[
     return out
 
 
-def measure_draft_level(drafter, head, cfg_scale: float, rows: int, width: int = 10, repeats: int = 5) -> float:
+def measure_draft_level(drafter: Drafter, head, cfg_scale: float, rows: int, width: int = 10, repeats: int = 5, *,
+                        vocab_size: int) -> float:
     """Milliseconds of one draft level of `width` frontier nodes for one slot."""
-    return measure_draft_cost(drafter, head, cfg_scale, rows, (width,), repeats=repeats)[width]
+    return measure_draft_cost(drafter, head, cfg_scale, rows, (width,), repeats=repeats, vocab_size=vocab_size)[width]
+
+
+def typical_prefix(prompter: Prompter) -> int:
+    """Cached entries of a typical mid-image state: the prompter's typical prompt row plus half the image."""
+    return int(prompter.typical_prompt) + prompter.layout.length // 2

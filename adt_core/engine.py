@@ -25,7 +25,7 @@ from typing import Iterator
 import torch
 
 from adt_core.bundles.bundle import Bundle
-from adt_core.calibrate import CostTable, Timer, batch_sizes, measure_draft_cost, measure_target_cost
+from adt_core.calibrate import CostTable, Timer, batch_sizes, measure_draft_cost, measure_target_cost, typical_prefix
 from adt_core.config import DecodeConfig, SamplingConfig
 from adt_core.results import GenerationResult, PromptFailure, estimate_speedup
 from adt_core.round.decoder import BatchDecoder, DecodeSetup
@@ -172,10 +172,8 @@ class Generator:
         if key not in per_model:
             self._place_models()
             sizes = batch_sizes(self.config.batch_size)
-            # a typical mid-image state: the prompter's typical prompt row plus half the image
-            prefix = int(self.prompter.typical_prompt) + self.layout.length // 2
             table = measure_target_cost(self.bundle.target, rows=self.cfg_rows, sizes=sizes, repeats=3, warmup=1,
-                                        slots=self.config.batch_size, prefix_len=prefix)
+                                        slots=self.config.batch_size, prefix_len=typical_prefix(self.prompter))
             if self.bundle.drafter is not None:
                 draft = measure_draft_cost(self.bundle.drafter, self.bundle.target.head, self.sampling.cfg_scale,
                                            self.cfg_rows, sizes, slots=self.config.batch_size, repeats=3,

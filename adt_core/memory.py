@@ -22,6 +22,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from adt_core.families.contract import full_res_channels
+from adt_core.round.planners import extent
+from adt_core.round.state import Extent
+
 GB = 10**9
 
 
@@ -127,13 +131,15 @@ def plan_memory(
     reserve_fraction: float = 0.08,
     drafter_tokens: int | None = None,
     window_bytes: int = 0,
+    target_tokens: int | None = None,
 ) -> MemoryPlan:
     """Images in flight for one device.
 
     tokens: the longest row without a tree (max prompt tokens + generated tokens, forced ones
     included); tree_nodes / tree_depth: the largest draft tree (0 for AR); logits_width: the
     columns of a logits row (the number of image codes); drafter_tokens: the drafter cache's
-    row length when the caller knows it (else tokens + every level of the tree); window_bytes:
+    row length when the caller knows it (else tokens + every level of the tree); target_tokens: the
+    target cache's row length when the caller knows it (else tokens + the tree); window_bytes:
     a drafter-free method's draft window per image (jacobi; its trees need no drafter). Raises
     MemoryPlanError when not one image fits."""
     if not 0.0 <= reserve_fraction < 1.0:
@@ -142,7 +148,7 @@ def plan_memory(
         raise ValueError(f"batch_size {batch_size} < 1")
     rows = 2 if cfg else 1
     spec = tree_nodes > 0
-    length = tokens + (tree_nodes + 1 if spec else 0)
+    length = target_tokens if target_tokens is not None else tokens + (tree_nodes + 1 if spec else 0)
     target_kv = target.bytes(rows, length, dtype_bytes)
     if drafter_tokens is None:
         drafter_tokens = tokens + (tree_depth + 1) * (tree_nodes + 1)
@@ -181,30 +187,11 @@ def _numel(m: torch.nn.Module) -> int:
 def decode_workspace(decoder, grid: tuple[int, int]) -> int:
     """fp32 activations of decoding one image to pixels (an estimate: a few feature maps of the
     decoder's full-resolution level)."""
-    cfg = getattr(decoder, "cfg", None)
-    if cfg is None or not hasattr(cfg, "ch"):
+    ch = full_res_channels(decoder)
+    if ch is None:
         return 0
     f = decoder.downsample_factor
-    return VQ_LIVE_MAPS * cfg.ch * cfg.ch_mult[0] * grid[0] * f * grid[1] * f * 4
-
-
-def tree_extent(config) -> tuple[int, int]:
-    """(nodes of the widest verified tree, drafter cache entries a round may feed) for a
-    DecodeConfig, as BatchDecoder sizes its caches (0, 0 for AR)."""
-    from adt_core.round.plan import bucket
-
-    if config.method == "ar":
-        return 0, 0
-    adt = config.shaped
-    if not config.needs_drafter:  # jacobi: no drafter cache
-        return bucket(config.adaptive.n_max), 0
-    if config.method == "static":
-        widest = len(config.tree.static_paths)
-    else:
-        widest = bucket(config.adaptive.n_max) if adt else config.tree.budget
-    width = config.adaptive.k_max if adt else config.tree.top_k
-    fed = max(len(config.tree.static_paths or ()), (config.adaptive.d_max if adt else config.tree.depth) * width)
-    return widest, fed
+    return VQ_LIVE_MAPS * ch * grid[0] * f * grid[1] * f * 4
 
 
 def bundle_plan(bundle, config, device_bytes: int, reserve_fraction: float = 0.08) -> MemoryPlan:
@@ -232,7 +219,8 @@ def bundle_plan(bundle, config, device_bytes: int, reserve_fraction: float = 0.0
     base = prompter.max_prompt
     span = int(layout.offset(n - 1)) + 1
     runs = bundle.drafter is not None or not config.needs_drafter  # a drafter method without one: plain steps
-    widest, fed = tree_extent(config) if runs else (0, 0)
+    ext = extent(config) if runs else Extent(0, 0)  # the planner's, as the decoder sizes its caches
+    widest = ext.nodes
     spec = widest > 0
     drafter = kv_shape(bundle.drafter) if spec and config.needs_drafter else None
     sampling = config.sampling(bundle.sampling)
@@ -241,10 +229,10 @@ def bundle_plan(bundle, config, device_bytes: int, reserve_fraction: float = 0.0
         from adt_core.round.jacobi import window_bytes
 
         window = window_bytes(config, prompter.vocab.num_codes, config.sampler == "rejection" and not sampling.greedy)
-    tokens = base + span + (1 if spec else 2)  # BatchDecoder: base + span + widest + 2 entries per row
     return plan_memory(
-        device_bytes, weights, kv_shape(bundle.target), tokens, cfg=sampling.use_cfg,
+        device_bytes, weights, kv_shape(bundle.target), base + span, cfg=sampling.use_cfg,
         dtype_bytes=size, drafter=drafter, tree_nodes=widest,
         logits_width=prompter.vocab.num_codes, workspace_bytes=decode_workspace(bundle.vq, (layout.grid_h, layout.grid_w)),
         batch_size=config.batch_size, reserve_fraction=reserve_fraction,
-        drafter_tokens=base + span + fed + 1 if drafter is not None else None, window_bytes=window)
+        drafter_tokens=ext.drafter_len(base + span) if drafter is not None else None, window_bytes=window,
+        target_tokens=ext.target_len(base + span))

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, LanternConfig, TreeConfig, load_bundle, random_bundle
 from adt_core.bundles.bundle import Bundle
 from adt_core.bundles.deepen import deepen, describe
-from adt_core.calibrate import SIZES, measure_draft_level, measure_target_cost
+from adt_core.calibrate import SIZES, measure_draft_level, measure_target_cost, typical_prefix
 from pipeline.cli import CliParser, add_config_flags, config_overrides
 from pipeline.config import ConfigError, build_model
 
@@ -166,7 +166,8 @@ def read_prompts(path: str, limit: int) -> tuple[list[str], list[int]]:
 def calibrate(bundle: Bundle, args) -> dict:
     target = bundle.target.to(args.device, getattr(torch, args.dtype))
     rows = 2 if bundle.sampling.use_cfg else 1
-    table = measure_target_cost(target, rows=rows, sizes=SIZES, repeats=args.repeats)
+    table = measure_target_cost(target, rows=rows, sizes=SIZES, repeats=args.repeats,
+                                prefix_len=typical_prefix(bundle.make_prompter()))
     params = sum(p.numel() for p in target.parameters())
     print(f"target forward cost  bundle={describe(bundle.name)} params={params / 1e6:.1f}M device={args.device} "
           f"dtype={args.dtype} rows={rows} threads={torch.get_num_threads()}")
@@ -176,7 +177,8 @@ def calibrate(bundle: Bundle, args) -> dict:
     level = None
     if bundle.drafter is not None:
         drafter = bundle.drafter.to(args.device, getattr(torch, args.dtype))
-        level = measure_draft_level(drafter, target.head, bundle.sampling.cfg_scale, rows, repeats=args.repeats)
+        level = measure_draft_level(drafter, target.head, bundle.sampling.cfg_scale, rows, repeats=args.repeats,
+                                    vocab_size=target.vocab.vocab_size)
         print(f"one draft level (top-10 frontier): {level:.2f} ms = {level / table.cost(1):.2f} x a 1-token step")
     return {"bundle": bundle.name, "target": describe(bundle.name), "params": params, "device": args.device, "dtype": args.dtype, "rows": rows,
             "ms": table.ms, "ratio": {n: table.ratio(n) for n in table.ms}, "draft_level_ms": level}

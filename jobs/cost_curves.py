@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from adt_core.bundles.deepen import describe
-from adt_core.calibrate import measure_target_cost
+from adt_core.calibrate import measure_target_cost, typical_prefix
 from adt_core.families.llamagen.model import GPTConfig, LlamaGenGPT
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
@@ -35,12 +35,14 @@ def xl_target(device: str, dtype: torch.dtype) -> LlamaGenGPT:
     return model.eval()
 
 
-def curves(target: LlamaGenGPT, rows: int, batches=BATCHES, tokens=TOKENS, repeats: int = 5) -> dict:
-    """{batch: {n: ms}} for a forward of n new tokens on each of `batch` images (rows each)."""
+def curves(target: LlamaGenGPT, rows: int, prefix: int, batches=BATCHES, tokens=TOKENS, repeats: int = 5) -> dict:
+    """{batch: {n: ms}} for a forward of n new tokens on each of `batch` images (rows each) after
+    `prefix` cached entries."""
     out = {}
     for b in batches:
         sizes = tuple(b * n for n in tokens)
-        table = measure_target_cost(target, rows=rows, sizes=sizes, repeats=repeats, warmup=2, slots=b)
+        table = measure_target_cost(target, rows=rows, sizes=sizes, repeats=repeats, warmup=2, slots=b,
+                                    prefix_len=prefix)
         out[b] = {n: table.ms[b * n] for n in tokens}
     return out
 
@@ -59,9 +61,11 @@ def run(bundle, device: str, dtype: str, xl: bool, out_json: str | None) -> dict
     result = {}
     rows = 2 if bundle.sampling.use_cfg else 1
     target = bundle.target.to(device, getattr(torch, dtype))
-    result[f"{describe(bundle.name)} {dtype}"] = curves(target, rows)
+    result[f"{describe(bundle.name)} {dtype}"] = curves(target, rows, typical_prefix(bundle.make_prompter()))
     if xl:
-        result["LlamaGen-XL shape (random) bfloat16"] = curves(xl_target(device, torch.bfloat16), 2)
+        xlt = xl_target(device, torch.bfloat16)  # its caption rows plus half its image
+        result["LlamaGen-XL shape (random) bfloat16"] = curves(xlt, 2, xlt.config.cls_token_num
+                                                               + xlt.config.num_image_tokens // 2)
     for name, table in result.items():
         print(markdown(name, table) + "\n", flush=True)
     if out_json:

@@ -10,6 +10,9 @@ interfaces:
     Drafter    forward(tokens, hidden, positions, mask, cache) -> features (through target.head)
     Decoder    codes (B, H, W) -> uint8 pixels (B, H*f, W*f, 3)
 
+Optional members (a position table, a LANTERN drafter's caption pairs, a VQ-GAN decoder's
+channels) are declared at the end of this file and read only through its functions there.
+
 Vocabulary used below. Image index i in [0, N), N = H * W codes in raster order. A row r
 (a KV-cache row: slot b is row b (cond) and, with CFG, row B + b (uncond)) holds its prompt
 entries 0 .. base[r] - 1 (base = PromptRows.lengths), then the generated sequence: image
@@ -244,6 +247,8 @@ class Target(Protocol):
 
 @runtime_checkable
 class Drafter(Protocol):
+    fc: torch.nn.Linear  # EAGLE's input projection fc([embed(token); hidden]): its weight gives width, device, dtype
+
     def new_cache(self, rows: int, max_len: int, device=None, dtype=None) -> KVCache: ...
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
@@ -261,3 +266,27 @@ class Decoder(Protocol):
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """codes (B, H, W) long -> uint8 images (B, H*f, W*f, 3)."""
         ...
+
+
+# ---- optional members ---------------------------------------------------------------------
+# A family's model may have these or not; the engine reads them through these functions only:
+#   Target.rope, Drafter.rope     a position table (LlamaGen's 2-D RoPE): later positions clamp to its end
+#   Drafter.config.caption_pairs  True: the drafter reads (code 0, h_j) pairs at caption positions (LANTERN)
+#   Decoder.cfg.ch, .ch_mult      a VQ-GAN decoder's channels (its full-resolution level's activations)
+def max_position(model: Target | Drafter) -> int | None:
+    """The last position a model's position table holds (None: no table, positions unbounded)."""
+    rope = getattr(model, "rope", None)
+    return len(rope) - 1 if rope is not None else None
+
+
+def reads_caption_pairs(drafter: Drafter) -> bool:
+    """Whether a drafter reads the caption positions' pairs on admission (LANTERN-style drafters)."""
+    return bool(getattr(getattr(drafter, "config", None), "caption_pairs", False))
+
+
+def full_res_channels(decoder: Decoder) -> int | None:
+    """Channels of a VQ-GAN decoder's full-resolution level (None: not a VQ-GAN decoder)."""
+    cfg = getattr(decoder, "cfg", None)
+    if cfg is None or not hasattr(cfg, "ch"):
+        return None
+    return cfg.ch * cfg.ch_mult[0]

@@ -22,18 +22,10 @@ Definition (docs/adt_tree.md; every constant is a field of `AdaptiveConfig`):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
 from adt_core.config import AdaptiveConfig
-
-
-@dataclass(frozen=True)
-class Shape:
-    depth: int  # d: draft levels
-    width: int  # k: top-k per expansion and frontier size
-    budget: int  # n: drafted nodes kept after reranking
 
 
 def bisect_update(d: int, k: int, alpha: float, cfg: AdaptiveConfig) -> tuple[int, int]:
@@ -124,22 +116,3 @@ class AdaptiveGrid:
         self.width[slot, cell] = np.broadcast_to(width[:, None], cells.shape)[on]
         alpha = accepted / np.maximum(depth, 1)
         self.alpha[slot, cell] = np.broadcast_to(alpha[:, None], cells.shape)[on]
-
-
-class AdaptiveController:
-    """One image's view of the controller (an `AdaptiveGrid` of one slot)."""
-
-    def __init__(self, grid: tuple[int, int], cfg: AdaptiveConfig) -> None:
-        self.grid = AdaptiveGrid(1, grid, cfg)
-        self.cfg = cfg
-
-    def shape(self, index: int) -> Shape:
-        """Shape (d, k, n) for a round whose first drafted token is image token `index`."""
-        d, k = self.grid.shapes(np.array([index]))
-        d, k = int(d[0]), int(k[0])
-        return Shape(d, k, shape_budget(d, k, self.cfg))
-
-    def observe(self, first_index: int, depth: int, width: int, accepted: int) -> None:
-        """Record a verified round: it committed tokens first_index .. first_index + accepted
-        (accepted drafted tokens + the bonus token)."""
-        self.grid.observe(*(np.array([x]) for x in (first_index, depth, width, accepted)))

@@ -35,20 +35,20 @@ import torch
 from adt_core.bundles.bundle import Bundle
 from adt_core.calibrate import CostTable, Timer
 from adt_core.config import DecodeConfig
-from adt_core.families.contract import Layout, PromptRows
+from adt_core.families.contract import Layout, PromptRows, reads_caption_pairs
 from adt_core.results import StepStats
 from adt_core.round.adaptive import AdaptiveGrid
 from adt_core.round.draft import BatchDrafter, DraftScorer, StaticLevels
 from adt_core.round.forced import ForcedEol
 from adt_core.round.jacobi import jacobi_window, verify_sjd
-from adt_core.round.jacobi_plan import jacobi_planner
 from adt_core.round.log import RoundLog
-from adt_core.round.plan import Planner, bucket, planner_for
+from adt_core.round.plan import Planner
+from adt_core.round.planners import planner_for
 from adt_core.round.prefill import prefill_rows
 from adt_core.round.sampler import Sampler
 from adt_core.round.sampling import cfg_mix
 from adt_core.round.state import RoundOutcome, RoundPlan, Slots, TreeBatch, Verified
-from adt_core.round.tree import rerank_batch, tree_of
+from adt_core.round.tree import rerank_batch
 from adt_core.round.verify import Relaxation, follow_batch, verify_coupled, verify_greedy, verify_stochastic
 
 HOLD = 0.01  # idle batch a split wave may spend waiting to refill together, as a share of an image's rounds
@@ -105,23 +105,21 @@ class BatchDecoder:
         self.scale = setup.sampler.sampling.cfg_scale
         adt = c.shaped
         self.grid = AdaptiveGrid(capacity, (self.layout.grid_h, self.layout.grid_w), c.adaptive) if adt else None
-        pick = jacobi_planner if c.method == "jacobi" else planner_for
-        self.planner: Planner = pick(c, self.n, self.grid, setup.costs, capacity)
+        self.planner: Planner = planner_for(c, self.n, self.grid, setup.costs, capacity)
         if capacity in setup.planners:
             self.planner.adopt(setup.planners[capacity])
         elif setup.planners:  # another capacity's: its measurements per slot count
             self.planner.share(setup.planners[min(setup.planners, key=lambda c: abs(c - capacity))])
         setup.planners[capacity] = self.planner
-        widest = self._widest_tree()
-        self.cache = b.target.new_cache(self.r * capacity, self.base + span + widest + 2)
+        extent = self.planner.extent(c)  # the one cache-size formula (memory.py plans by it too)
+        self.cache = b.target.new_cache(self.r * capacity, extent.target_len(self.base + span))
         self.drafter = None
         self.jacobi = c.method == "jacobi"  # the draft source is the target's own window (adt_core/round/jacobi.py)
         if self.planner.drafts and self.jacobi:
             self.drafter = jacobi_window(c, setup, capacity, self.layout.grid_w)
         elif self.planner.drafts:
-            fed = max(len(c.tree.static_paths or ()), (c.adaptive.d_max if adt else c.tree.depth) * self._width_cap())
             self.drafter = BatchDrafter(b.drafter, b.target.head, self.scale, capacity, self.r,
-                                        self.base + span + fed + 1, setup.scorer, self.seq_pos, self.ids)
+                                        extent.drafter_len(self.base + span), setup.scorer, self.seq_pos, self.ids)
         self.static = c.tree.static_paths if c.method == "static" else None
         self._static_levels: dict[int, StaticLevels] = {}
         self.slots = Slots.empty(capacity, self.n, setup.device)
@@ -130,18 +128,6 @@ class BatchDecoder:
         self.curve_len = c.adaptive.n_max + 1
         self.verify_slot = {"greedy": self._greedy_one, "coupled": self._coupled_one,
                             "rejection": self._sjd_one if self.jacobi else self._rejection_one}[setup.sampler.kind]
-
-    def _width_cap(self) -> int:
-        c = self.s.config
-        return c.adaptive.k_max if c.shaped else c.tree.top_k
-
-    def _widest_tree(self) -> int:
-        c = self.s.config
-        if c.method == "ar":
-            return 0
-        if c.method == "static":
-            return len(c.tree.static_paths)
-        return bucket(c.adaptive.n_max) if c.shaped else c.tree.budget
 
     def seq_pos(self, index: torch.Tensor) -> torch.Tensor:
         """Image indices (C, S) of each slot -> their sequence positions (R, S) in each cache row:
@@ -230,7 +216,7 @@ class BatchDecoder:
         self.drafter.reset(mask)
         n, dev = len(free), self.s.device
         h = hidden.view(self.r, n, *hidden.shape[1:])  # (cfg, n, T, dim)
-        if getattr(self.s.bundle.drafter.config, "caption_pairs", False):
+        if reads_caption_pairs(self.s.bundle.drafter):
             self.drafter.caption_pairs(free, h)
         elif rows.tokens is not None:  # a token family's drafter reads the prompt's pairs, as EAGLE's does
             self.drafter.prompt_pairs(free, rows.tokens.to(dev), hidden, rows.positions.to(dev), lengths)
@@ -398,25 +384,26 @@ class BatchDecoder:
         path = torch.zeros(c, levels + 1, dtype=torch.long, device=dev)
         new = torch.zeros(c, levels + 1, dtype=torch.long, device=dev)
         for b in np.flatnonzero(active):
-            t = tree_of(tree, b)
-            nz = None if noise is None else noise[b][t.depths]
-            res = self.verify_slot(t, mixed[b, : t.size], self.slots.gens[b], nz, b)
+            n = tree.kept(b)
+            nz = None if noise is None else noise[b][tree.depths[b, :n]]
+            res = self.verify_slot(tree, b, mixed[b, :n], self.slots.gens[b], nz)
             a = res.num_accepted
             acc[b] = a
             path[b, : a + 1] = torch.tensor([0] + res.accepted, device=dev)
-            new[b, : a + 1] = torch.cat([t.tokens[res.accepted], torch.tensor([res.bonus], device=dev)])
+            new[b, : a + 1] = torch.cat([tree.tokens[b, res.accepted], torch.tensor([res.bonus], device=dev)])
         return Verified(acc, path, new)
 
-    def _greedy_one(self, tree, mixed, gen, noise, b):
-        return verify_greedy(tree, mixed, self.s.relax)
+    # slot b's tree (its rows of the TreeBatch); mixed (n, V) and noise (n, V) at its n valid nodes
+    def _greedy_one(self, tree: TreeBatch, b: int, mixed, gen, noise):
+        return verify_greedy(tree, b, mixed, self.s.relax)
 
-    def _coupled_one(self, tree, mixed, gen, noise, b):
-        return verify_coupled(tree, mixed, noise, self.s.sampler.sampling, self.s.relax)
+    def _coupled_one(self, tree: TreeBatch, b: int, mixed, gen, noise):
+        return verify_coupled(tree, b, mixed, noise, self.s.sampler.sampling, self.s.relax)
 
-    def _rejection_one(self, tree, mixed, gen, noise, b):
-        return verify_stochastic(tree, mixed, self.s.sampler.sampling, gen, self.s.relax)
+    def _rejection_one(self, tree: TreeBatch, b: int, mixed, gen, noise):
+        return verify_stochastic(tree, b, mixed, self.s.sampler.sampling, gen, self.s.relax)
 
-    def _sjd_one(self, tree, mixed, gen, noise, b):
-        w = self.drafter
-        return verify_sjd(tree.tokens.tolist(), tree.depths.tolist(), mixed, self.s.sampler.sampling, gen,
-                          w.chain_q[b], w.chain_has[b].tolist())
+    def _sjd_one(self, tree: TreeBatch, b: int, mixed, gen, noise):
+        w, n = self.drafter, mixed.shape[0]
+        return verify_sjd(tree.tokens[b, :n].tolist(), tree.depths[b, :n].tolist(), mixed, self.s.sampler.sampling,
+                          gen, w.chain_q[b], w.chain_has[b].tolist())

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from adt_core.config import SamplingConfig
-from adt_core.families.contract import Drafter
+from adt_core.families.contract import Drafter, max_position
 from adt_core.kv_cache import KVCache
 from adt_core.round.sampling import cfg_mix, warp
 from adt_core.round.state import CandidateBatch, RoundPlan, Slots
@@ -155,8 +155,7 @@ class BatchDrafter:
         self.cache: KVCache = drafter.new_cache(slots * cfg_rows, max_len)
         w = drafter.fc.weight
         self.ring = PairRing(slots, cfg_rows, w.shape[0], w.device, w.dtype)
-        rope = getattr(drafter, "rope", None)  # a position table (LlamaGen's 2-D RoPE) bounds positions
-        self.max_pos = len(rope) - 1 if rope is not None else None
+        self.max_pos = max_position(drafter)  # a position table bounds the drafter's positions
         self.forwards = 0  # drafter forward passes so far
 
     @property

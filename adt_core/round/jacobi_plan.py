@@ -1,6 +1,6 @@
 """The jacobi method's round planner (budget "cost"): ADT-Tree's shapes, a measured node budget.
 
-Shapes are ADT-Tree's (adt_core/adaptive.py): each slot's depth d and width k from the adjacent
+Shapes are ADT-Tree's (adt_core/round/adaptive.py): each slot's depth d and width k from the adjacent
 token's round (deeper where the neighbours' drafts were accepted, wider where not), its node
 budget n = gamma d k. The batch's verify width M (nodes per slot; the forward is padded to it)
 comes from a model measured on this device and these images:
@@ -31,7 +31,6 @@ depend on any of this (greedy and coupled exactness).
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
@@ -39,8 +38,8 @@ import numpy as np
 from adt_core.round.adaptive import AdaptiveGrid, shape_budget
 from adt_core.round.budget import EDGE, EMA
 from adt_core.calibrate import CostTable
-from adt_core.config import AdaptiveConfig, DecodeConfig
-from adt_core.round.plan import Planner, ShapePlanner, planner_for
+from adt_core.config import AdaptiveConfig
+from adt_core.round.plan import Planner, ShapePlanner
 from adt_core.round.state import RoundOutcome, RoundPlan, Slots
 
 WIDTHS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # verify widths the model weighs, cut to adaptive.n_max
@@ -69,6 +68,10 @@ class JacobiPlanner(ShapePlanner):
         self.before = 0  # the model's choice when the last probe started
         self.idle, self.probe = 0, PROBE  # plain rounds since the last drafted one; the probe interval
         self._c0 = 0.0
+
+    @classmethod
+    def build(cls, config, n_tokens, grid, costs, capacity) -> Planner:
+        return cls(n_tokens, config.adaptive, grid, costs, capacity, cpu=config.device == "cpu")
 
     def adopt(self, earlier: "JacobiPlanner") -> None:
         """Start from what an earlier decoder of the same Generator and capacity measured."""
@@ -173,11 +176,3 @@ class JacobiPlanner(ShapePlanner):
         self.run, self.drafted = 0, 0
         ms = self._cost_ms(round_ms)
         self.base = ms if self.base is None else self.base + EMA * (ms - self.base)
-
-
-def jacobi_planner(config: DecodeConfig, n_tokens: int, grid: AdaptiveGrid | None, costs: CostTable | None,
-                   capacity: int) -> Planner:
-    """method jacobi's planner: this module's with the cost budget, else adt's shapes (plan.planner_for)."""
-    if config.adaptive.budget == "cost":
-        return JacobiPlanner(n_tokens, config.adaptive, grid, costs, capacity, cpu=config.device == "cpu")
-    return planner_for(config, n_tokens, grid, costs, capacity)

@@ -1,6 +1,6 @@
 """Round planners: what each method drafts, decided once per round on the host.
 
-A planner is picked once per Generator (`planner_for`) and answers `plan(slots)` with a
+A planner is picked once per Generator (adt_core/round/planners.py: `planner_for`) and answers `plan(slots)` with a
 `RoundPlan` (levels D, width K, kept nodes M, and per-slot depth / width / node budget) or None
 (a plain AR step). It reads only host state: the slots' committed counts and what earlier rounds
 reported (`RoundOutcome`, read back once per round), so planning never waits for the device.
@@ -12,7 +12,7 @@ reported (`RoundOutcome`, read back once per round), so planning never waits for
   (adt_core/round/adaptive.py), n = gamma d k kept nodes; the batch's D, K, M are the slots' largest.
 - `jacobi`: as `adt` (either budget); its drafts come from the target's own window
   (adt_core/round/jacobi.py), so a draft level costs no model forward (the cost table's draft part
-  is 0); its cost budget is adt_core/round/jacobi_plan.py (`jacobi_planner`).
+  is 0); its cost budget is adt_core/round/jacobi_plan.py (`JacobiPlanner`).
 - `adt` (budget "cost", the default): the slots' (d, k) as above, and
   1. whether to draft at all: `BatchBudget`'s measured rates (adt_core/round/budget.py);
   2. M: the width bucket maximising (A + expected accepted tokens) / (verify + draft ms),
@@ -24,6 +24,8 @@ reported (`RoundOutcome`, read back once per round), so planning never waits for
      probe: a large batch on a CPU then costs what batched AR costs.
 
 Verify widths are padded to a few buckets (WIDTHS), so a compiled or captured step can serve them.
+Each planner class owns its cache extent (`extent(config)`: the widest tree it verifies, what a
+round feeds the drafter), read by the decoder and by adt_core/memory.py.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from adt_core.calibrate import CostTable
 from adt_core.config import AdaptiveConfig, DecodeConfig
 from adt_core.round.adaptive import AdaptiveGrid, shape_budget
 from adt_core.round.budget import EMA, BatchBudget
-from adt_core.round.state import RoundOutcome, RoundPlan, Slots
+from adt_core.round.state import Extent, RoundOutcome, RoundPlan, Slots
 
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # drafted nodes per slot a verify may carry
 PRIOR = 0.7  # before any drafted round: the assumed acceptance of a draft level, per level
@@ -48,6 +50,12 @@ VETO = 0.8  # a plan the model rates below this fraction of a plain step's rate 
 def bucket(m: int) -> int:
     """The smallest width bucket holding m nodes (m itself past the largest)."""
     return next((w for w in WIDTHS if w >= m), m)
+
+
+def fed(config: DecodeConfig, levels: int, width: int) -> int:
+    """Drafter-cache entries one round may feed: `levels` expansions of `width` (a static tree's
+    nodes, when larger); 0 for a method without a drafter."""
+    return max(len(config.tree.static_paths or ()), levels * width) if config.needs_drafter else 0
 
 
 class Planner:
@@ -64,6 +72,17 @@ class Planner:
 
     def __init__(self, n_tokens: int) -> None:
         self.n = n_tokens
+
+    @classmethod
+    def build(cls, config: DecodeConfig, n_tokens: int, grid: AdaptiveGrid | None, costs: CostTable | None,
+              capacity: int) -> "Planner":
+        """This planner for a Generator's config (its grid and cost table where it reads them)."""
+        return cls(n_tokens)
+
+    @classmethod
+    def extent(cls, config: DecodeConfig) -> Extent:
+        """The cache entries this method's rounds need past the committed sequence."""
+        return Extent(0, 0)
 
     def room(self, slots: Slots) -> np.ndarray:
         """(C,) levels each slot can still draft (0 for free slots and an image's last token)."""
@@ -103,11 +122,23 @@ class EaglePlanner(Planner):
         super().__init__(n_tokens)
         self.tree = config.tree
 
+    @classmethod
+    def build(cls, config, n_tokens, grid, costs, capacity) -> "Planner":
+        return cls(n_tokens, config)
+
+    @classmethod
+    def extent(cls, config: DecodeConfig) -> Extent:
+        return Extent(config.tree.budget, fed(config, config.tree.depth, config.tree.top_k))
+
     def plan(self, slots: Slots) -> RoundPlan | None:
         return self._fixed(np.minimum(self.room(slots), self.tree.depth), self.tree.top_k, self.tree.budget)
 
 
 class StaticPlanner(EaglePlanner):
+    @classmethod
+    def extent(cls, config: DecodeConfig) -> Extent:
+        return Extent(len(config.tree.static_paths), fed(config, config.tree.depth, config.tree.top_k))
+
     def plan(self, slots: Slots) -> RoundPlan | None:
         depth = np.minimum(self.room(slots), self.tree.depth)
         nodes = sum(1 for p in self.tree.static_paths if len(p) <= depth.max(initial=0))
@@ -122,6 +153,15 @@ class ShapePlanner(Planner):
     def __init__(self, n_tokens: int, cfg: AdaptiveConfig, grid: AdaptiveGrid) -> None:
         super().__init__(n_tokens)
         self.cfg, self.grid = cfg, grid
+
+    @classmethod
+    def build(cls, config, n_tokens, grid, costs, capacity) -> "Planner":
+        return cls(n_tokens, config.adaptive, grid)
+
+    @classmethod
+    def extent(cls, config: DecodeConfig) -> Extent:
+        a = config.adaptive
+        return Extent(bucket(a.n_max), fed(config, a.d_max, a.k_max))
 
     def shapes(self, slots: Slots) -> tuple[np.ndarray, np.ndarray]:
         d, k = self.grid.shapes(slots.host_count)
@@ -153,6 +193,10 @@ class CostPlanner(ShapePlanner):
         self.level_ms: float | None = None  # measured draft ms per level
         self.depth_cap = self._prior_depth(cfg.d_max, cfg.k0)
         self.seen: set[bool] = set()  # kinds of round seen once (the first of each pays one-off costs)
+
+    @classmethod
+    def build(cls, config, n_tokens, grid, costs, capacity) -> "Planner":
+        return cls(n_tokens, config.adaptive, grid, costs, capacity, cpu=config.device == "cpu")
 
     def adopt(self, earlier: "CostPlanner") -> None:
         """Start from what an earlier decoder of the same Generator and capacity learned."""
@@ -247,17 +291,3 @@ class CostPlanner(ShapePlanner):
         cost = self._cost_ms(round_ms)
         if self._warm(False):
             self.guard.observe_round(slots, False, cost, slots)
-
-
-def planner_for(config: DecodeConfig, n_tokens: int, grid: AdaptiveGrid | None, costs: CostTable | None,
-                capacity: int) -> Planner:
-    """The method's planner, picked once."""
-    if config.method == "ar":
-        return Planner(n_tokens)
-    if config.method == "eagle2":
-        return EaglePlanner(n_tokens, config)
-    if config.method == "static":
-        return StaticPlanner(n_tokens, config)
-    if config.adaptive.budget == "cost":  # adt (and jacobi's shapes): the same controller and budget
-        return CostPlanner(n_tokens, config.adaptive, grid, costs, capacity, cpu=config.device == "cpu")
-    return ShapePlanner(n_tokens, config.adaptive, grid)

@@ -4,7 +4,7 @@
 - coupled: y = argmax(warped logits + Gumbel noise fixed per (seed, image index, token)), an exact
   draw from p whatever produced the logits (adt_core/round/noise.py);
 - rejection: one multinomial draw per image from its own torch.Generator, and recursive
-  rejection over each tree (adt_core/verify.verify_stochastic). This one keeps a per-slot loop:
+  rejection over each tree (adt_core/round/verify.verify_stochastic). This one keeps a per-slot loop:
   every image's draws must come from its own generator, in order.
 
 `targets` gives y at every tree node at once for the whole batch (greedy and coupled); the

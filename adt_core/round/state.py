@@ -67,6 +67,23 @@ class RoundPlan:
     budget: np.ndarray  # (C,) int: drafted nodes slot b may keep (<= M)
 
 
+@dataclass(frozen=True)
+class Extent:
+    """Cache entries a method's rounds need past a row's committed sequence (its planner's
+    `extent`: the decoder sizes its caches by it, adt_core/memory.py plans memory by it)."""
+
+    nodes: int  # drafted nodes of the widest verified tree per slot (0: the method never drafts)
+    fed: int  # drafter-cache entries one round may feed (0: no drafter)
+
+    def target_len(self, committed: int) -> int:
+        """A target-cache row: `committed` entries (prompt + generated), the root and the tree, one spare."""
+        return committed + self.nodes + 2
+
+    def drafter_len(self, committed: int) -> int:
+        """A drafter-cache row: `committed` entries, what one round feeds, one spare."""
+        return committed + self.fed + 1
+
+
 @dataclass
 class CandidateBatch:
     """Every slot's drafted candidates (the pool EAGLE-2 reranks), P per slot, padded."""
@@ -92,6 +109,23 @@ class TreeBatch:
     @property
     def size(self) -> int:
         return self.tokens.shape[1]
+
+    def kept(self, b: int) -> int:
+        """Slot b's valid nodes (root + kept nodes; they come first): one host read."""
+        return int(self.valid[b].sum())
+
+    def children(self, b: int) -> list[list[int]]:
+        """Slot b's tree on the host (the slot-by-slot verifiers walk it): children[i] = the valid
+        nodes below node i, best path score first."""
+        n = self.kept(b)
+        par, sc = self.parents[b, :n].tolist(), self.scores[b, :n].tolist()
+        kids: list[list[int]] = [[] for _ in par]
+        for i, p in enumerate(par):
+            if p >= 0:
+                kids[p].append(i)
+        for k in kids:
+            k.sort(key=lambda i: -sc[i])
+        return kids
 
 
 @dataclass

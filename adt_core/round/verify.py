@@ -31,7 +31,7 @@ import torch
 
 from adt_core.config import SamplingConfig
 from adt_core.round.sampling import perturbed, target_probs
-from adt_core.round.tree import DraftTree
+from adt_core.round.state import TreeBatch, Verified
 
 
 @dataclass
@@ -123,17 +123,17 @@ def relaxed_sets(p: torch.Tensor, child_tokens: list[int], relax: Relaxation) ->
     return sets
 
 
-def follow_targets(tree: DraftTree, targets: list[int], relax: Relaxation | None = None,
+def follow_targets(tree: TreeBatch, b: int, targets: list[int], relax: Relaxation | None = None,
                    probs_at=None) -> VerifyResult:
-    """Walk from the root along the child carrying the target's token y(node) at each node.
+    """Walk slot b's tree from the root along the child carrying the target's token y(node) at each node.
 
-    targets: (n+1,) y(node) for every node (greedy: argmax; coupled: perturbed argmax).
+    targets: (n+1,) y(node) for every valid node (greedy: argmax; coupled: perturbed argmax).
     With `relax` (LANTERN, lossy), when no child carries y(node), the first child x whose
     A(x) (`relaxed_sets` under probs_at(node), a (V,) distribution) holds y(node) is accepted.
     The bonus token is y at the last accepted node.
     """
-    tokens = tree.tokens.tolist()
-    kids = tree.children()
+    tokens = tree.tokens[b].tolist()
+    kids = tree.children(b)
     node, accepted = 0, []
     while True:
         nxt = next((c for c in kids[node] if tokens[c] == targets[node]), None)
@@ -146,17 +146,18 @@ def follow_targets(tree: DraftTree, targets: list[int], relax: Relaxation | None
         node = nxt
 
 
-def verify_greedy(tree: DraftTree, logits: torch.Tensor, relax: Relaxation | None = None) -> VerifyResult:
-    """logits: (n+1, V) CFG-mixed target logits at every tree node; y(node) = argmax.
+def verify_greedy(tree: TreeBatch, b: int, logits: torch.Tensor, relax: Relaxation | None = None) -> VerifyResult:
+    """Slot b's tree; logits: (n+1, V) CFG-mixed target logits at its valid nodes; y(node) = argmax.
 
     With `relax`, A(x) is measured under the un-warped softmax of the logits (LANTERN, greedy form).
     """
-    return follow_targets(tree, logits.argmax(-1).tolist(), relax, lambda n: logits[n].float().softmax(-1))
+    return follow_targets(tree, b, logits.argmax(-1).tolist(), relax, lambda n: logits[n].float().softmax(-1))
 
 
-def verify_coupled(tree: DraftTree, logits: torch.Tensor, noise: torch.Tensor, sampling: SamplingConfig,
+def verify_coupled(tree: TreeBatch, b: int, logits: torch.Tensor, noise: torch.Tensor, sampling: SamplingConfig,
                    relax: Relaxation | None = None) -> VerifyResult:
-    """Coupled verification. logits: (n+1, V) CFG-mixed target logits; noise: (n+1, V) the Gumbel
+    """Coupled verification of slot b's tree. logits: (n+1, V) CFG-mixed target logits at its valid
+    nodes; noise: (n+1, V) the Gumbel
     row of each node's position (nodes at one depth share a row).
 
     y(node) = argmax(warped logits + noise): the token AR would sample there with the same seed,
@@ -164,19 +165,21 @@ def verify_coupled(tree: DraftTree, logits: torch.Tensor, noise: torch.Tensor, s
     measured under p (the warped target distribution) at the node.
     """
     targets = perturbed(logits, sampling, noise).argmax(-1).tolist()
-    return follow_targets(tree, targets, relax, lambda n: target_probs(logits[n], sampling))
+    return follow_targets(tree, b, targets, relax, lambda n: target_probs(logits[n], sampling))
 
 
 def verify_stochastic(
-    tree: DraftTree,
+    tree: TreeBatch,
+    b: int,
     logits: torch.Tensor,
     sampling: SamplingConfig,
     generator: torch.Generator | None,
     relax: Relaxation | None = None,
 ) -> VerifyResult:
-    """logits: (n+1, V) CFG-mixed target logits; p is computed only at nodes on the walk."""
-    tokens = tree.tokens.tolist()
-    kids = tree.children()
+    """Slot b's tree; logits: (n+1, V) CFG-mixed target logits at its valid nodes; p is computed
+    only at nodes on the walk."""
+    tokens = tree.tokens[b].tolist()
+    kids = tree.children(b)
     node, accepted = 0, []
     while True:
         p = target_probs(logits[node], sampling)  # (V,)
@@ -192,7 +195,7 @@ def verify_stochastic(
         node = nxt
 
 
-def follow_batch(tree, targets: torch.Tensor, levels: int):
+def follow_batch(tree: TreeBatch, targets: torch.Tensor, levels: int) -> Verified:
     """Greedy / coupled verification of every slot at once (the walk of `follow_targets`).
 
     tree: TreeBatch (C, n); targets: (C, n) y(node) at every node; levels: D, the deepest a tree
@@ -201,8 +204,6 @@ def follow_batch(tree, targets: torch.Tensor, levels: int):
     Verified: accepted counts (C,), path (C, D + 1) tree indices of root + accepted nodes, new
     (C, D + 1) accepted tokens then the bonus token y(last accepted node); padded past each
     slot's count (accepted + 1)."""
-    from adt_core.round.state import Verified
-
     c, n = tree.tokens.shape
     dev = tree.tokens.device
     ok = tree.valid & (tree.tokens == targets.gather(1, tree.parents.clamp(min=0)))

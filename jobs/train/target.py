@@ -168,15 +168,16 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def init_weights(model: nn.Module) -> None:
-    """LlamaGen's init: N(0, 0.02) linears and embeddings, zero output head (buffers untouched)."""
+def init_weights(model: nn.Module, head: nn.Linear | None = None) -> None:
+    """LlamaGen's init: N(0, 0.02) linears and embeddings, the output `head` (a target's) zeroed
+    (buffers untouched)."""
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
-    if isinstance(model, LlamaGenGPT):
-        nn.init.zeros_(model.output.weight)
+    if head is not None:
+        nn.init.zeros_(head.weight)
 
 
 def adamw(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -258,7 +259,7 @@ def build(args, tc: TrainConfig, train: TokenData, device):
                         caption_dropout=tc.caption_dropout)
     torch.manual_seed(tc.seed)
     model = LlamaGenGPT(cfg)
-    init_weights(model)
+    init_weights(model, head=model.output)
     model.to(device).train()
     opt = adamw(model, tc.lr, tc.weight_decay)
     return model, opt, restore(ckpt, model, opt)

@@ -6,10 +6,24 @@ import torch
 
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, LanternConfig, random_bundle
 from adt_core.calibrate import CostTable
-from adt_core.round.adaptive import AdaptiveController, bisect_update, shape_budget
+from adt_core.round.adaptive import AdaptiveGrid, bisect_update, shape_budget
 from adt_core.round.budget import PROBE_EVERY, BatchBudget
 
 CFG = AdaptiveConfig()  # d0 5, k0 10, beta 0.5, d in [2, 8], k in [2, 16], n in [8, 64]
+
+
+class One:
+    """One slot of an AdaptiveGrid: the shape (d, k) of a round starting at image index i."""
+
+    def __init__(self, grid: tuple[int, int], cfg: AdaptiveConfig) -> None:
+        self.grid, self.cfg = AdaptiveGrid(1, grid, cfg), cfg
+
+    def shape(self, index: int) -> tuple[int, int]:
+        d, k = self.grid.shapes(np.array([index]))
+        return int(d[0]), int(k[0])
+
+    def observe(self, first: int, depth: int, width: int, accepted: int) -> None:
+        self.grid.observe(*(np.array([x]) for x in (first, depth, width, accepted)))
 
 
 def test_bisect_moves_halfway_to_bounds():
@@ -42,45 +56,42 @@ def test_budget_rule():
 
 
 def test_horizontal_adjacency_and_row_start_fallback():
-    c = AdaptiveController((4, 6), CFG)
+    c = One((4, 6), CFG)
     assert c.shape(1) == c.shape(1)  # no record yet -> defaults
-    assert (c.shape(1).depth, c.shape(1).width) == (5, 10)
+    assert c.shape(1) == (5, 10)
     c.observe(1, depth=4, width=8, accepted=4)  # committed tokens 1..5 (row 0), alpha = 1
-    s = c.shape(3)  # left neighbour (0, 2) has alpha 1 -> deeper, narrower than (4, 8)
-    assert (s.depth, s.width) == (6, 5)
+    assert c.shape(3) == (6, 5)  # left neighbour (0, 2) has alpha 1 -> deeper, narrower than (4, 8)
     # row start (1, 0): no left neighbour -> the record above, at (0, 0), is missing -> defaults
-    assert (c.shape(6).depth, c.shape(6).width) == (5, 10)
+    assert c.shape(6) == (5, 10)
     c.observe(0, depth=2, width=16, accepted=0)  # token 0 recorded with alpha 0
-    s = c.shape(6)  # falls back to (0, 0): alpha 0 -> shallower, wider
-    assert (s.depth, s.width) == (2, 16)
+    assert c.shape(6) == (2, 16)  # falls back to (0, 0): alpha 0 -> shallower, wider
 
 
 def test_both_init_blends_the_row_above():
-    b = AdaptiveController((3, 4), AdaptiveConfig(init="both"))
+    b = One((3, 4), AdaptiveConfig(init="both"))
     b.observe(0, depth=4, width=8, accepted=3)  # tokens 0..3 alpha 0.75
     b.observe(4, depth=4, width=8, accepted=0)  # token 4 alpha 0
-    s = b.shape(5)  # left (1,0) alpha 0, row above mean 0.75 -> 0.375 < beta -> shallower
-    assert (s.depth, s.width) == (3, 12)  # from (4, 8): 4 - ceil(2/2), 8 + ceil(8/2)
+    # left (1,0) alpha 0, row above mean 0.75 -> 0.375 < beta -> shallower; from (4, 8): 4 - ceil(2/2), 8 + ceil(8/2)
+    assert b.shape(5) == (3, 12)
 
 
 def test_vertical_prefers_record_above():
-    v = AdaptiveController((3, 4), AdaptiveConfig(init="vertical"))
+    v = One((3, 4), AdaptiveConfig(init="vertical"))
     v.observe(0, depth=4, width=8, accepted=3)  # row 0: alpha 0.75
     v.observe(4, depth=4, width=8, accepted=0)  # (1,0): alpha 0
-    s = v.shape(5)  # above (0,1) alpha 0.75 -> deeper (6, 5)
-    assert (s.depth, s.width) == (6, 5)
+    assert v.shape(5) == (6, 5)  # above (0,1) alpha 0.75 -> deeper
 
 
 def test_bounds_respected_over_random_sequences():
     g = torch.Generator().manual_seed(0)
-    c = AdaptiveController((8, 8), AdaptiveConfig(mode="bisect", init="both"))
+    c = One((8, 8), AdaptiveConfig(mode="bisect", init="both"))
     i = 1
     while i < 63:
-        s = c.shape(i)
-        assert CFG.d_min <= s.depth <= CFG.d_max and CFG.k_min <= s.width <= CFG.k_max
-        assert 1 <= s.budget <= CFG.n_max
-        a = int(torch.randint(0, s.depth + 1, (1,), generator=g))
-        c.observe(i, s.depth, s.width, a)
+        d, k = c.shape(i)
+        assert CFG.d_min <= d <= CFG.d_max and CFG.k_min <= k <= CFG.k_max
+        assert 1 <= shape_budget(d, k, CFG) <= CFG.n_max
+        a = int(torch.randint(0, d + 1, (1,), generator=g))
+        c.observe(i, d, k, a)
         i += a + 1
 
 

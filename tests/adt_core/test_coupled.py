@@ -8,8 +8,8 @@ from adt_core import AdaptiveConfig, DecodeConfig, Generator, LanternConfig, Tre
 from adt_core.config import SamplingConfig
 from adt_core.round.noise import gumbel, uniforms
 from adt_core.round.sampling import perturbed, target_probs
-from adt_core.round.tree import DraftTree
 from adt_core.round.verify import Relaxation, relaxed_sets, verify_coupled
+from tree_fixtures import chain_tree
 
 PROMPTS = ["a red apple on a table", "blue dog", "smiling sun over hills"]
 SEEDS = [0, 17, 2**40 + 3]
@@ -146,22 +146,16 @@ def test_perturbed_argmax_has_the_target_law():
 
 # ---- coupled verification and LANTERN ------------------------------------------------------
 
-def chain_tree():
-    # root(0) -> 1 (tok 3) -> 3 (tok 4);  root -> 2 (tok 5)
-    return DraftTree(torch.tensor([9, 3, 5, 4]), torch.tensor([-1, 0, 0, 1]), torch.tensor([0, 1, 1, 2]),
-                     torch.tensor([0.0, -0.1, -0.2, -0.3]), root_position=7)
-
-
 def test_verify_coupled_follows_the_perturbed_argmax():
     tree = chain_tree()
     cfg = SamplingConfig(temperature=1.0)
     logits = torch.zeros(4, 8)
     noise = torch.zeros(4, 8)
     noise[0, 3] = noise[1, 4] = noise[3, 6] = 5.0  # y(root) = 3, y(node 1) = 4, y(node 3) = 6
-    res = verify_coupled(tree, logits, noise, cfg)
+    res = verify_coupled(tree, 0, logits, noise, cfg)
     assert res.accepted == [1, 3] and res.bonus == 6
     noise[0, 3], noise[0, 0] = 0.0, 5.0  # y(root) = 0: no child carries it
-    res = verify_coupled(tree, logits, noise, cfg)
+    res = verify_coupled(tree, 0, logits, noise, cfg)
     assert res.accepted == [] and res.bonus == 0
 
 

@@ -9,7 +9,7 @@ from adt_core.families.layers import apply_rope, build_rope_cache
 from adt_core.families.llamagen.drafter import Drafter, DrafterConfig
 from adt_core.families.llamagen.model import GPTConfig, LlamaGenGPT
 from adt_core.kv_cache import KVCache
-from adt_core.round.tree import DraftTree, ancestor_mask
+from adt_core.round.tree import ancestor_mask_batch
 
 
 def tiny(grid=(4, 5), cls=6, seed=0):
@@ -117,15 +117,15 @@ def test_tree_masked_forward_equals_each_branch_alone():
     prefix = torch.randint(0, 32, (1, 3))
     # root + a tree: 1,2 under root; 3 under 1; 4,5 under 3; 6 under 2
     parents = torch.tensor([-1, 0, 0, 1, 3, 3, 2])
-    tree = DraftTree(torch.randint(0, 32, (7,)), parents, torch.tensor([0, 1, 1, 2, 3, 3, 2]),
-                     torch.zeros(7), root_position=t + 3)
+    tokens, depths = torch.randint(0, 32, (7,)), torch.tensor([0, 1, 1, 2, 3, 3, 2])
     with torch.no_grad():
         cache = m.new_cache(1, 64)
         cache.valid[:, :t] = cmask
         m(torch.arange(t), cache.attn_mask(torch.ones(t, t, dtype=torch.bool).tril()), cache, captions=cap)
         m(torch.arange(t, t + 3), cache.attn_mask(torch.ones(3, 3, dtype=torch.bool).tril()), cache, tokens=prefix)
         base = cache.length
-        tree_logits, _ = m(tree.positions, cache.attn_mask(ancestor_mask(parents)), cache, tokens=tree.tokens[None])
+        tree_logits, _ = m(t + 3 + depths, cache.attn_mask(ancestor_mask_batch(parents[None], 3)[0]), cache,
+                           tokens=tokens[None])
         for node in range(7):
             path, i = [], node
             while i >= 0:
@@ -133,7 +133,7 @@ def test_tree_masked_forward_equals_each_branch_alone():
                 i = int(parents[i])
             path = path[::-1]
             cache.truncate(base)
-            toks = tree.tokens[path][None]
+            toks = tokens[path][None]
             n = len(path)
             lg, _ = m(torch.arange(t + 3, t + 3 + n), cache.attn_mask(torch.ones(n, n, dtype=torch.bool).tril()),
                       cache, tokens=toks)

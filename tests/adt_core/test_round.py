@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, TreeConfig, random_bundle
 from adt_core.calibrate import CostTable
 from adt_core.round.state import CandidateBatch
-from adt_core.round.tree import DraftTree, rerank, rerank_batch, tree_of
+from adt_core.round.tree import ancestor_mask_batch, rerank_batch
 from adt_core.round.verify import follow_batch, follow_targets
 
 FLAT = CostTable({1: 1.0, 4096: 1.0}, draft={1: 0.01, 4096: 0.01})  # drafting always pays
@@ -137,7 +137,7 @@ def random_pool(gen, c, levels, width):
     return pool
 
 
-def test_rerank_batch_and_follow_batch_match_the_per_tree_helpers():
+def test_rerank_batch_keeps_each_slots_best_as_a_tree_and_follow_batch_walks_it():
     gen = torch.Generator().manual_seed(0)
     c, levels = 5, 4
     pool = random_pool(gen, c, levels, 3)
@@ -145,30 +145,28 @@ def test_rerank_batch_and_follow_batch_match_the_per_tree_helpers():
     roots = torch.arange(c) + 100
     batch = rerank_batch(pool, 12, budget, roots, levels)
     for b in range(c):
-        keep = pool.valid[b]
-        index = torch.full((pool.tokens.shape[1],), -1)
-        index[keep] = torch.arange(int(keep.sum()))
-        from adt_core.round.tree import CandidatePool
-        one = CandidatePool(pool.tokens[b][keep], torch.where(pool.parents[b][keep] >= 0,
-                                                             index[pool.parents[b][keep].clamp(min=0)], -1),
-                            pool.depths[b][keep], pool.scores[b][keep])
-        ref = rerank(one, int(budget[b]), int(roots[b]), 0)
-        mine = tree_of(batch, b)
-        assert torch.equal(mine.tokens, ref.tokens) and torch.equal(mine.parents, ref.parents), b
-        assert torch.equal(batch.mask[b, : mine.size, : mine.size], ref.ancestor_mask())
-        # targets that follow a random path: the batched walk equals the per-tree walk
+        n = batch.kept(b)
+        best = torch.sort(pool.scores[b][pool.valid[b]], descending=True).values[: int(budget[b])]
+        assert n == 1 + best.numel() and batch.valid[b, :n].all() and not batch.valid[b, n:].any(), b
+        assert torch.equal(torch.sort(batch.scores[b, 1:n], descending=True).values, best), b  # the best kept
+        par, dep = batch.parents[b, :n], batch.depths[b, :n]
+        assert int(batch.tokens[b, 0]) == int(roots[b]) and (par[1:] < torch.arange(1, n)).all(), b  # parents first
+        assert torch.equal(dep[1:], dep[par[1:]] + 1), b  # closed under ancestors, one level apart
+        assert (dep[1:].diff() >= 0).all(), b  # breadth-first
+        assert torch.equal(batch.mask[b, :n, :n], ancestor_mask_batch(par[None], levels)[0]), b
+        # targets that follow a random path: the batched walk equals the slot-by-slot walk
         targets = torch.randint(0, 50, (batch.size,), generator=gen)
-        for node in range(1, mine.size):  # make the path through the first child of each node likely
+        for node in range(1, n):  # make the path through the first child of each node likely
             if torch.rand(1, generator=gen) < 0.7:
-                targets[int(mine.parents[node])] = int(mine.tokens[node])
-        res = follow_targets(mine, targets[: mine.size].tolist())
+                targets[int(par[node])] = int(batch.tokens[b, node])
+        res = follow_targets(batch, b, targets[:n].tolist())
         full = torch.zeros(c, batch.size, dtype=torch.long)
         full[b] = targets
         ver = follow_batch(batch, full, levels)
         a = int(ver.accepted[b])
         assert a == res.num_accepted
         assert ver.path[b, : a + 1].tolist() == [0] + res.accepted
-        assert ver.new[b, : a + 1].tolist() == mine.tokens[res.accepted].tolist() + [res.bonus]
+        assert ver.new[b, : a + 1].tolist() == batch.tokens[b, res.accepted].tolist() + [res.bonus]
 
 
 def test_static_tree_levels_follow_the_paths():

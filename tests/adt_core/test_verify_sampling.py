@@ -4,14 +4,8 @@ import torch
 
 from adt_core.config import SamplingConfig
 from adt_core.round.sampling import cfg_mix, target_probs, warp
-from adt_core.round.tree import DraftTree
 from adt_core.round.verify import verify_greedy, verify_stochastic
-
-
-def chain_tree():
-    # root(0) -> 1 (tok 3) -> 3 (tok 4);  root -> 2 (tok 5)
-    return DraftTree(torch.tensor([9, 3, 5, 4]), torch.tensor([-1, 0, 0, 1]), torch.tensor([0, 1, 1, 2]),
-                     torch.tensor([0.0, -0.1, -0.2, -0.3]), root_position=7)
+from tree_fixtures import chain_tree
 
 
 def logits_argmax(rows):
@@ -23,11 +17,11 @@ def logits_argmax(rows):
 
 def test_greedy_accepts_longest_matching_path():
     tree = chain_tree()
-    res = verify_greedy(tree, logits_argmax([3, 4, 0, 6]))
+    res = verify_greedy(tree, 0, logits_argmax([3, 4, 0, 6]))
     assert res.accepted == [1, 3] and res.bonus == 6
-    res = verify_greedy(tree, logits_argmax([5, 0, 2, 0]))
+    res = verify_greedy(tree, 0, logits_argmax([5, 0, 2, 0]))
     assert res.accepted == [2] and res.bonus == 2
-    res = verify_greedy(tree, logits_argmax([7, 0, 0, 0]))
+    res = verify_greedy(tree, 0, logits_argmax([7, 0, 0, 0]))
     assert res.accepted == [] and res.bonus == 7
 
 
@@ -69,8 +63,8 @@ def test_stochastic_one_step_distribution_is_exact():
     counts = torch.zeros(8)
     n = 20000
     for _ in range(n):
-        res = verify_stochastic(tree, lg, cfg, g)
-        first = int(tree.tokens[res.accepted[0]]) if res.accepted else res.bonus
+        res = verify_stochastic(tree, 0, lg, cfg, g)
+        first = int(tree.tokens[0, res.accepted[0]]) if res.accepted else res.bonus
         counts[first] += 1
     tv = 0.5 * (counts / n - p).abs().sum()
     assert tv < 0.02, tv
@@ -80,6 +74,6 @@ def test_stochastic_is_seeded():
     tree = chain_tree()
     lg = torch.randn(4, 8)
     cfg = SamplingConfig(temperature=1.0)
-    a = [verify_stochastic(tree, lg, cfg, torch.Generator().manual_seed(s)) for s in range(20)]
-    b = [verify_stochastic(tree, lg, cfg, torch.Generator().manual_seed(s)) for s in range(20)]
+    a = [verify_stochastic(tree, 0, lg, cfg, torch.Generator().manual_seed(s)) for s in range(20)]
+    b = [verify_stochastic(tree, 0, lg, cfg, torch.Generator().manual_seed(s)) for s in range(20)]
     assert [(r.accepted, r.bonus) for r in a] == [(r.accepted, r.bonus) for r in b]

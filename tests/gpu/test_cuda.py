@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, TreeConfig, load_bundle, random_bundle
-from adt_core.calibrate import measure_target_cost
+from adt_core.calibrate import measure_target_cost, typical_prefix
 from adt_core.round.noise import uniforms
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -49,7 +49,8 @@ def test_cuda_bf16_agreement_and_calibration_report():
     print(f"\nbf16 cuda: eagle2 vs ar token agreement {(ref == out).float().mean():.4f}, "
           f"identical images {int((ref == out).flatten(1).all(1).sum())}/{len(PROMPTS)}")
     for dtype in (torch.float32, torch.bfloat16):
-        table = measure_target_cost(bundle.target.to("cuda", dtype), rows=2)
+        table = measure_target_cost(bundle.target.to("cuda", dtype), rows=2,
+                                    prefix_len=typical_prefix(bundle.make_prompter()))
         print(f"cuda {dtype}: " + ", ".join(f"{n} tok {ms:.2f} ms ({table.ratio(n):.2f}x)" for n, ms in table.ms.items()))
 
 
