@@ -148,6 +148,31 @@ def run_size(n: int, root: Path, output: str, actors: int, images: bool, storage
             **_ledger(f"{output}/full_{n}", full)}
 
 
+def plot(jsonl: str, chart: str) -> None:
+    """Log-log panels of each figure against the prompt count, one line per store."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [json.loads(line) for line in Path(jsonl).read_text().splitlines() if line.strip()]
+    panels = [("rows_per_s", "rows/s (pool)"), ("start_s", "start-up s"), ("driver_rss_mb", "driver RSS MB"),
+              ("resume_start_s", "resume start-up s")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
+    for ax, (key, title) in zip(axes, panels):
+        for store in sorted({r["store"] for r in runs}):
+            pts = sorted((r["rows"], r[key]) for r in runs if r["store"] == store and r.get(key))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=store)
+        ax.set(xscale="log", yscale="log", title=title, xlabel="prompts")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("jobs.scale: the pipeline with a null engine (NullWorker), 2 actors", fontsize=10)
+    fig.tight_layout()
+    Path(chart).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(chart, dpi=110)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = CliParser("python -m jobs.scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="10000,100000", help="comma-separated prompt counts")
@@ -156,7 +181,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--s3", metavar="ENDPOINT", help="write to this S3-compatible endpoint (bucket 'scale'); "
                    "'moto' starts a loopback server in this process")
     p.add_argument("--json", help="append one JSON line per size here")
+    p.add_argument("--plot", metavar="JSONL", help="only draw the log-log figure of these JSON lines (to --chart)")
+    p.add_argument("--chart", default="docs/img/scale.png", help="where --plot writes the figure")
     args = p.parse_args(argv)
+    if args.plot:
+        plot(args.plot, args.chart)
+        return 0
     root = Path(tempfile.mkdtemp(prefix="scale"))
     storage: dict = {}
     output = str(root / "out")
