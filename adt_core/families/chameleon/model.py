@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from adt_core.families.contract import ImageVocab
-from adt_core.families.layers import MLP, RMSNorm, apply_rotate_half as apply_rope, rope_cos_sin
+from adt_core.families.layers import Attention, DecoderLayer, RMSNorm, Rotary, as_rows, half_rotary, run_layers
 from adt_core.families.weights import CheckpointError, check_state
 from adt_core.kv_cache import KVCache
 
@@ -144,49 +144,12 @@ class QKNorm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), eps=QK_NORM_EPS) * w + b
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: ChameleonConfig) -> None:
-        super().__init__()
-        h, hd = cfg.hidden_size, cfg.head_dim
-        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = nn.Linear(h, self.heads * hd, bias=False)
-        self.k_proj = nn.Linear(h, self.kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(h, self.kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(self.heads * hd, h, bias=False)
-        self.q_norm = QKNorm(cfg.qk_norm_groups, self.heads, hd)
-        self.k_norm = QKNorm(cfg.k_norm_groups, self.kv_heads, hd)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
-                cache: KVCache | None, layer: int) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim))  # (R, S, heads, hd)
-        k = self.k_norm(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim))  # (R, S, kv, hd)
-        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (R, heads|kv, S, hd)
-        if cache is not None:
-            k, v = cache.write(layer, k, v)  # (R, kv, K, hd)
-        if self.kv_heads != self.heads:
-            k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (R, heads, S, hd)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ChameleonConfig) -> None:
-        super().__init__()
-        self.swin = cfg.swin_norm
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, rope, mask, cache, layer):
-        if self.swin:
-            h = x + self.input_layernorm(self.self_attn(x, rope, mask, cache, layer))
-            return h + self.post_attention_layernorm(self.mlp(h))
-        h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, layer)
-        return h + self.mlp(self.post_attention_layernorm(h))
+def decoder_layer(cfg: ChameleonConfig) -> DecoderLayer:
+    """Chameleon's layer: the Llama layer with qk LayerNorm and, for 34B, swin norms."""
+    heads, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    qk_norm = (QKNorm(cfg.qk_norm_groups, heads, hd), QKNorm(cfg.k_norm_groups, kv, hd))
+    attn = Attention(cfg.hidden_size, heads, kv, qk_norm=qk_norm)
+    return DecoderLayer(attn, cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, swin=cfg.swin_norm)
 
 
 class ChameleonBody(nn.Module):
@@ -195,7 +158,7 @@ class ChameleonBody(nn.Module):
     def __init__(self, cfg: ChameleonConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(decoder_layer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -226,15 +189,12 @@ class ChameleonTarget(nn.Module):
         if (tokens is None) == (embeds is None):
             raise ValueError("forward needs exactly one of tokens or embeds")
         x = self.model.embed_tokens(tokens) if tokens is not None else embeds.to(self.lm_head.weight.dtype)
-        if positions.dim() == 1:
-            positions = positions[None].expand(x.shape[0], -1)
-        rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, mask, cache, i)
-        if cache is not None:
-            cache.advance(x.shape[1])
+        x = run_layers(self.model.layers, x, self.rotary(as_rows(positions, x.shape[0])), mask, cache)
         hidden = self.model.norm(x)
         return self.head(hidden), hidden
+
+    def rotary(self, positions: torch.Tensor) -> Rotary:
+        return half_rotary(positions, self.config.head_dim, self.config.rope_theta)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """(R, S, D) -> logits over image codes (R, S, V) fp32."""

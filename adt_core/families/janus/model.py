@@ -16,7 +16,7 @@ puts codes after the text vocabulary: code c is id T + c (T = the text vocabular
 T .. T + V - 1 through gen_embed + gen_aligner; logits cover the V codes only (gen_head).
 
 Reading checkpoint files (either on-disk layout) and the strict loaders `load_janus` /
-`load_janus_vq` are in janus_weights.py.
+`load_janus_vq` are in janus/weights.py.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from adt_core.families.contract import ImageVocab
-from adt_core.families.layers import MLP, RMSNorm, apply_rotate_half as apply_rope, rope_cos_sin
+from adt_core.families.layers import Attention, DecoderLayer, RMSNorm, Rotary, as_rows, half_rotary, run_layers
 from adt_core.families.vqgan import VQModel
 from adt_core.families.weights import CheckpointError
 from adt_core.kv_cache import KVCache
@@ -166,47 +165,10 @@ def _llama_fields(c: Mapping[str, Any], source: str) -> dict:
 
 
 # ---- modules ------------------------------------------------------------------------------
-class Attention(nn.Module):
-    """Llama attention: no biases, no qk-norm, rotate-half RoPE, GQA by repeating kv heads."""
-
-    def __init__(self, hidden: int, heads: int, kv_heads: int) -> None:
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
-        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
-                cache: KVCache | None, layer: int) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(b, s, self.heads, self.head_dim), *rope).transpose(1, 2)
-        k = apply_rope(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim), *rope).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)  # (R, kv, S, hd)
-        if cache is not None:
-            k, v = cache.write(layer, k, v)  # (R, kv, K, hd)
-        if self.kv_heads != self.heads:
-            k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (R, heads, S, hd)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm Llama layer; input_norm=False drops the attention's input norm (EAGLE's first
-    drafter layer, whose input is already the fc projection)."""
-
-    def __init__(self, cfg: JanusConfig, input_norm: bool = True) -> None:
-        super().__init__()
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-        if input_norm:
-            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, rope, mask, cache, layer):
-        a = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
-        h = x + self.self_attn(a, rope, mask, cache, layer)
-        return h + self.mlp(self.post_attention_layernorm(h))
+def decoder_layer(cfg: JanusConfig, input_norm: bool = True) -> DecoderLayer:
+    """The Llama layer: no biases, no qk-norm, GQA; input_norm=False for EAGLE's drafter layer."""
+    attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads)
+    return DecoderLayer(attn, cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, input_norm=input_norm)
 
 
 class LlamaBody(nn.Module):
@@ -215,7 +177,7 @@ class LlamaBody(nn.Module):
     def __init__(self, cfg: JanusConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(decoder_layer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -295,15 +257,12 @@ class JanusTarget(nn.Module):
         if (tokens is None) == (embeds is None):
             raise ValueError("forward needs exactly one of tokens or embeds")
         x = self.embed(tokens) if tokens is not None else embeds.to(self.gen_embed.weight.dtype)
-        if positions.dim() == 1:
-            positions = positions[None].expand(x.shape[0], -1)
-        rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
-        for i, layer in enumerate(self.language_model.model.layers):
-            x = layer(x, rope, mask, cache, i)
-        if cache is not None:
-            cache.advance(x.shape[1])
+        x = run_layers(self.language_model.model.layers, x, self.rotary(as_rows(positions, x.shape[0])), mask, cache)
         hidden = self.language_model.model.norm(x)
         return self.head(hidden), hidden
+
+    def rotary(self, positions: torch.Tensor) -> Rotary:
+        return half_rotary(positions, self.config.head_dim, self.config.rope_theta)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """(R, S, H) -> logits over image codes (R, S, V) fp32 (gen_head, not the text lm_head)."""

@@ -1,6 +1,6 @@
 """Janus-Pro checkpoint files: weight-file reading, layout detection, key names, and the strict
 loaders of the target (`load_janus`) and of its VQ-16 decoder (`load_janus_vq`, after a key remap
-onto LlamaGen's VQ). The modules they load into are in janus.py.
+onto LlamaGen's VQ). The modules they load into are in model.py.
 
 Checkpoints (strict; a missing shard, a missing, misshapen or unknown tensor names itself):
 - published (deepseek-ai/Janus-Pro-7B): config.json {"model_type": "multi_modality",
