@@ -31,7 +31,7 @@ from torch import nn
 
 from adt_core.families.contract import ImageVocab
 from adt_core.families.layers import Attention, DecoderLayer, RMSNorm, Rotary, as_rows, half_rotary, run_layers
-from adt_core.families.weights import CheckpointError, check_state
+from adt_core.families.weights import SAFETENSORS_FILES, CheckpointError, WeightFiles, check_state
 from adt_core.kv_cache import KVCache
 
 QK_NORM_EPS = 1e-5  # fixed in Chameleon's qk LayerNorm, whatever rms_norm_eps says
@@ -206,64 +206,6 @@ def _skipped(key: str) -> bool:
     return key.startswith(SKIPPED_PREFIXES) or key.endswith(SKIPPED_SUFFIXES)
 
 
-def safetensors_index(directory: str | Path) -> dict[str, Path]:
-    """key -> shard file of DIR/model.safetensors.index.json (every shard must exist), or of
-    DIR/model.safetensors."""
-    from safetensors import safe_open
-
-    d = Path(directory)
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index}: no weight_map")
-        for shard in sorted(set(weight_map.values())):
-            if not (d / shard).is_file():
-                held = sorted(k for k, v in weight_map.items() if v == shard)
-                raise CheckpointError(f"{d}: missing shard {shard} (holds {len(held)} tensors, e.g. {held[0]})")
-        return {k: d / v for k, v in weight_map.items()}
-    single = d / "model.safetensors"
-    if not single.is_file():
-        raise CheckpointError(f"{d}: no model.safetensors.index.json or model.safetensors")
-    with safe_open(str(single), framework="pt") as f:
-        return {k: single for k in f.keys()}
-
-
-def safetensors_shapes(files: Mapping[str, Path]) -> dict[str, tuple[int, ...]]:
-    """Shapes from the files' headers (no tensor data read)."""
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    by_file: dict[Path, list[str]] = {}
-    for k, f in files.items():
-        by_file.setdefault(f, []).append(k)
-    for path, keys in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
-            present = set(f.keys())
-            for k in keys:
-                if k not in present:
-                    raise CheckpointError(f"{path.name}: the index names {k} but the shard does not hold it")
-                shapes[k] = tuple(f.get_slice(k).get_shape())
-    return shapes
-
-
-def read_tensors(files: Mapping[str, Path], keys: list[str], dtype: torch.dtype,
-                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """The named tensors, read shard by shard straight onto `device` and cast to `dtype`."""
-    from safetensors import safe_open
-
-    out: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for k in keys:
-        by_file.setdefault(files[k], []).append(k)
-    for path, names in by_file.items():
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
-            for k in names:
-                t = f.get_tensor(k)
-                out[k] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
-    return out
-
-
 def _meta(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     return {k: torch.empty(s, device="meta") for k, s in shapes.items()}
 
@@ -300,8 +242,9 @@ def load_chameleon(path: str | Path, dtype: torch.dtype = torch.float32, device:
     if not cfg_file.is_file():
         raise CheckpointError(f"{d}: no config.json")
     config = json.loads(cfg_file.read_text())
-    files = {k: f for k, f in safetensors_index(d).items() if not _skipped(k)}
-    shapes = safetensors_shapes(files)
+    weights = WeightFiles(d, SAFETENSORS_FILES)
+    files = [k for k in weights.files if not _skipped(k)]
+    shapes = weights.shapes(files)
     cfg = ChameleonConfig.from_hf(config, qk_norm_groups(shapes, str(d)), str(cfg_file),
                                   first_image_id=first_image_id, num_image_codes=num_image_codes)
     if cfg.first_image_id + cfg.num_image_codes > cfg.vocab_size:
@@ -311,7 +254,7 @@ def load_chameleon(path: str | Path, dtype: torch.dtype = torch.float32, device:
     if torch.device(device).type == "meta":  # shapes checked from the headers; no tensor read
         with torch.device("meta"):
             return ChameleonTarget(cfg).to(dtype).eval()
-    state = read_tensors(files, list(files), dtype, device)
+    state = weights.read(files, dtype, device)
     state["lm_head.weight"] = state["lm_head.weight"][cfg.vocab.id_slice].clone()
     with torch.device("meta"):
         model = ChameleonTarget(cfg)
