@@ -216,6 +216,21 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class LlamaBody(nn.Module):
+    """transformers' LlamaModel parts: embed_tokens, `depth` layers made by `layer` (built after
+    the embedding: torch's random-init order), the final norm."""
+
+    def __init__(self, vocab: int, dim: int, eps: float, layer: Callable[[], nn.Module], depth: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(layer() for _ in range(depth))
+        self.norm = RMSNorm(dim, eps)
+
+    def forward(self, x: torch.Tensor, rope: Rotary, mask: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        """Inputs (R, S, D) -> post-norm hidden states (R, S, D)."""
+        return self.norm(run_layers(self.layers, x, rope, mask, cache))
+
+
 def as_rows(positions: torch.Tensor, rows: int) -> torch.Tensor:
     """positions (S,) shared by every row, or (R, S) -> (R, S)."""
     return positions[None].expand(rows, -1) if positions.dim() == 1 else positions

@@ -196,6 +196,37 @@ def _held(path: Path, key: str, present) -> None:
         raise CheckpointError(f"{path.name}: the index names {key} but the shard does not hold it")
 
 
+# ---- config.json -------------------------------------------------------------------------
+def llama_fields(c: Mapping[str, Any], source: str, eps: float = 1e-6) -> dict:
+    """The Llama-shaped fields of a transformers config dict (LlamaConfig, ChameleonConfig, a
+    Janus text_config): hidden_size, num_attention_heads, intermediate_size, num_hidden_layers,
+    vocab_size, num_key_value_heads, rms_norm_eps (`eps` where absent), rope_theta (v4
+    `rope_theta` or v5 `rope_parameters`). Refuses what these models do not compute: a RoPE
+    other than the default, attention or MLP biases, an activation other than SiLU, a head_dim
+    other than hidden_size / heads."""
+    try:
+        h, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+        out = dict(hidden_size=h, num_attention_heads=heads, intermediate_size=int(c["intermediate_size"]),
+                   num_hidden_layers=int(c["num_hidden_layers"]), vocab_size=int(c["vocab_size"]))
+    except KeyError as e:
+        raise CheckpointError(f"{source}: missing field {e.args[0]!r}") from None
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise CheckpointError(f"{source}: RoPE type {rope.get('rope_type', rope.get('type'))!r} is not supported "
+                              f"(default only)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if c.get(flag):
+            raise CheckpointError(f"{source}: {flag} true is not supported (no biases there)")
+    if c.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{source}: hidden_act {c['hidden_act']!r} (expected silu)")
+    if c.get("head_dim") not in (None, h // heads):
+        raise CheckpointError(f"{source}: head_dim {c['head_dim']} != hidden_size / heads ({h // heads})")
+    out.update(num_key_value_heads=int(c.get("num_key_value_heads") or heads),
+               rms_norm_eps=float(c.get("rms_norm_eps", eps)),
+               rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
+    return out
+
+
 # ---- validation --------------------------------------------------------------------------
 def key_list(keys: list[str]) -> str:
     """Sorted keys for an error message, the first MAX_NAMED of them."""

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from adt_core.families.contract import ImageVocab
-from adt_core.families.layers import Attention, DecoderLayer, RMSNorm, Rotary, as_rows, half_rotary, run_layers
-from adt_core.families.weights import SAFETENSORS_FILES, CheckpointError, WeightFiles, check_state
+from adt_core.families.layers import Attention, DecoderLayer, LlamaBody, Rotary, as_rows, half_rotary
+from adt_core.families.weights import SAFETENSORS_FILES, CheckpointError, WeightFiles, check_state, llama_fields
 from adt_core.kv_cache import KVCache
 
 QK_NORM_EPS = 1e-5  # fixed in Chameleon's qk LayerNorm, whatever rms_norm_eps says
@@ -101,27 +101,10 @@ class ChameleonConfig:
     def from_hf(cls, config: Mapping[str, Any], qk_norm_groups: int | None = None,
                 source: str = "config.json", **kw) -> "ChameleonConfig":
         """From a transformers config.json (v4 `rope_theta` or v5 `rope_parameters`)."""
+        lm = llama_fields(config, source, eps=1e-5)
         try:
-            h, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-            ffn, layers = int(config["intermediate_size"]), int(config["num_hidden_layers"])
-            vocab = int(config["vocab_size"])
-        except KeyError as e:
-            raise CheckpointError(f"{source}: missing field {e.args[0]!r}") from None
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise CheckpointError(f"{source}: RoPE type {rope.get('rope_type')!r} is not supported (default only)")
-        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-        for flag in ("attention_bias", "mlp_bias"):
-            if config.get(flag):
-                raise CheckpointError(f"{source}: {flag} true is not supported (Chameleon has no biases there)")
-        if config.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(f"{source}: hidden_act {config['hidden_act']!r} (expected silu)")
-        kv = int(config.get("num_key_value_heads") or heads)
-        try:
-            return cls(hidden_size=h, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=kv, vocab_size=vocab, rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-                       rope_theta=float(theta), swin_norm=bool(config.get("swin_norm", False)),
-                       qk_norm_groups=qk_norm_groups or heads, **kw)
+            return cls(**lm, swin_norm=bool(config.get("swin_norm", False)),
+                       qk_norm_groups=qk_norm_groups or lm["num_attention_heads"], **kw)
         except ValueError as e:
             raise CheckpointError(f"{source}: {e}") from None
 
@@ -152,22 +135,13 @@ def decoder_layer(cfg: ChameleonConfig) -> DecoderLayer:
     return DecoderLayer(attn, cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, swin=cfg.swin_norm)
 
 
-class ChameleonBody(nn.Module):
-    """`model.*` of the HF checkpoint: embed_tokens, layers, norm."""
-
-    def __init__(self, cfg: ChameleonConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(decoder_layer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class ChameleonTarget(nn.Module):
     def __init__(self, cfg: ChameleonConfig) -> None:
         super().__init__()
         self.config = cfg
         self.vocab = cfg.vocab
-        self.model = ChameleonBody(cfg)
+        self.model = LlamaBody(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, lambda: decoder_layer(cfg),
+                               cfg.num_hidden_layers)  # `model.*` of the HF checkpoint
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.num_image_codes, bias=False)  # image-code rows only
 
     def new_cache(self, rows: int, max_len: int, device=None, dtype=None) -> KVCache:
@@ -189,8 +163,7 @@ class ChameleonTarget(nn.Module):
         if (tokens is None) == (embeds is None):
             raise ValueError("forward needs exactly one of tokens or embeds")
         x = self.model.embed_tokens(tokens) if tokens is not None else embeds.to(self.lm_head.weight.dtype)
-        x = run_layers(self.model.layers, x, self.rotary(as_rows(positions, x.shape[0])), mask, cache)
-        hidden = self.model.norm(x)
+        hidden = self.model(x, self.rotary(as_rows(positions, x.shape[0])), mask, cache)
         return self.head(hidden), hidden
 
     def rotary(self, positions: torch.Tensor) -> Rotary:

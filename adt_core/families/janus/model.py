@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from adt_core.families.contract import ImageVocab
-from adt_core.families.layers import Attention, DecoderLayer, RMSNorm, Rotary, as_rows, half_rotary, run_layers
+from adt_core.families.layers import Attention, DecoderLayer, LlamaBody, Rotary, as_rows, half_rotary
 from adt_core.families.vqgan import VQModel
-from adt_core.families.weights import CheckpointError
+from adt_core.families.weights import CheckpointError, llama_fields
 from adt_core.kv_cache import KVCache
 
 
@@ -99,7 +99,7 @@ class JanusConfig:
 
     @classmethod
     def _from_published(cls, config: Mapping[str, Any], source: str) -> "JanusConfig":
-        lm = _llama_fields(config["language_config"], f"{source}: language_config")
+        lm = llama_fields(config["language_config"], f"{source}: language_config")
         vq = config["gen_vision_config"]["params"]
         aligner = config["gen_aligner_config"]["params"]
         head = config["gen_head_config"]["params"]
@@ -119,7 +119,7 @@ class JanusConfig:
 
     @classmethod
     def _from_transformers(cls, config: Mapping[str, Any], source: str) -> "JanusConfig":
-        lm = _llama_fields(config["text_config"], f"{source}: text_config")
+        lm = llama_fields(config["text_config"], f"{source}: text_config")
         vq = config.get("vq_config") or {}
         d = {"embed_dim": 8, "num_embeddings": 16384, "projection_dim": 2048, "num_hidden_layers": 2,
              "image_token_embed_dim": 2048, "hidden_act": "gelu", **vq}  # JanusVQVAEConfig defaults
@@ -140,30 +140,6 @@ class JanusConfig:
             raise CheckpointError(f"{source}: {e}") from None
 
 
-def _llama_fields(c: Mapping[str, Any], source: str) -> dict:
-    """JanusConfig fields from a LlamaConfig dict, with LlamaConfig's defaults where absent."""
-    try:
-        h, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
-        out = dict(hidden_size=h, num_attention_heads=heads, intermediate_size=int(c["intermediate_size"]),
-                   num_hidden_layers=int(c["num_hidden_layers"]), vocab_size=int(c["vocab_size"]))
-    except KeyError as e:
-        raise CheckpointError(f"{source}: missing field {e.args[0]!r}") from None
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        raise CheckpointError(f"{source}: RoPE type {rope.get('rope_type', rope.get('type'))!r} is not supported")
-    for flag in ("attention_bias", "mlp_bias"):
-        if c.get(flag):
-            raise CheckpointError(f"{source}: {flag} true is not supported")
-    if c.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{source}: hidden_act {c['hidden_act']!r} (expected silu)")
-    if c.get("head_dim") not in (None, h // heads):
-        raise CheckpointError(f"{source}: head_dim {c['head_dim']} != hidden_size / heads ({h // heads})")
-    out.update(num_key_value_heads=int(c.get("num_key_value_heads") or heads),
-               rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-               rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
-    return out
-
-
 # ---- modules ------------------------------------------------------------------------------
 def decoder_layer(cfg: JanusConfig, input_norm: bool = True) -> DecoderLayer:
     """The Llama layer: no biases, no qk-norm, GQA; input_norm=False for EAGLE's drafter layer."""
@@ -171,20 +147,11 @@ def decoder_layer(cfg: JanusConfig, input_norm: bool = True) -> DecoderLayer:
     return DecoderLayer(attn, cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, input_norm=input_norm)
 
 
-class LlamaBody(nn.Module):
-    """`language_model.model.*`: embed_tokens, layers, norm."""
-
-    def __init__(self, cfg: JanusConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(decoder_layer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class LanguageModel(nn.Module):
     def __init__(self, cfg: JanusConfig) -> None:
         super().__init__()
-        self.model = LlamaBody(cfg)
+        self.model = LlamaBody(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, lambda: decoder_layer(cfg),
+                               cfg.num_hidden_layers)  # `language_model.model.*`
 
 
 class GenAligner(nn.Module):
@@ -257,8 +224,7 @@ class JanusTarget(nn.Module):
         if (tokens is None) == (embeds is None):
             raise ValueError("forward needs exactly one of tokens or embeds")
         x = self.embed(tokens) if tokens is not None else embeds.to(self.gen_embed.weight.dtype)
-        x = run_layers(self.language_model.model.layers, x, self.rotary(as_rows(positions, x.shape[0])), mask, cache)
-        hidden = self.language_model.model.norm(x)
+        hidden = self.language_model.model(x, self.rotary(as_rows(positions, x.shape[0])), mask, cache)
         return self.head(hidden), hidden
 
     def rotary(self, positions: torch.Tensor) -> Rotary:
