@@ -231,6 +231,43 @@ class LlamaBody(nn.Module):
         return self.norm(run_layers(self.layers, x, rope, mask, cache))
 
 
+class LlamaTarget(nn.Module):
+    """The Target of a token family over a `LlamaBody` with rotate-half RoPE (Chameleon, Janus).
+
+    A subclass holds `config` (num_hidden_layers, num_key_value_heads, head_dim, rope_theta),
+    says where its body is (`body`), how ids are embedded (`embed`: the body's embed_tokens by
+    default) and its `head` (logits over codes, fp32)."""
+
+    @property
+    def body(self) -> LlamaBody:
+        raise NotImplementedError
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.body.embed_tokens(tokens)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rotary(self, positions: torch.Tensor) -> Rotary:
+        return half_rotary(positions, self.config.head_dim, self.config.rope_theta)
+
+    def new_cache(self, rows: int, max_len: int, device=None, dtype=None) -> KVCache:
+        p, c = self.body.embed_tokens.weight, self.config
+        return KVCache(c.num_hidden_layers, rows, c.num_key_value_heads, c.head_dim, max_len,
+                       device or p.device, dtype or p.dtype)
+
+    def forward(self, positions: torch.Tensor, mask: torch.Tensor, cache: KVCache | None = None,
+                tokens: torch.Tensor | None = None, embeds: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (R, S) or (S,); mask (R, 1, S, K) bool (K = cached + S); tokens (R, S) ids or
+        embeds (R, S, D). Returns logits over image codes (R, S, V) fp32 and post-norm hidden (R, S, D)."""
+        if (tokens is None) == (embeds is None):
+            raise ValueError("forward needs exactly one of tokens or embeds")
+        x = self.embed(tokens) if tokens is not None else embeds.to(self.body.embed_tokens.weight.dtype)
+        hidden = self.body(x, self.rotary(as_rows(positions, x.shape[0])), mask, cache)
+        return self.head(hidden), hidden
+
+
 def as_rows(positions: torch.Tensor, rows: int) -> torch.Tensor:
     """positions (S,) shared by every row, or (R, S) -> (R, S)."""
     return positions[None].expand(rows, -1) if positions.dim() == 1 else positions

@@ -1,11 +1,14 @@
 """One wrapper of a checkpoint's tokenizer.json (the `tokenizers` library): text -> ids, with
-special ids looked up by name, never assumed. Chameleon and Janus prompts read theirs through it.
+special ids looked up by name, never assumed. Chameleon and Janus prompts read theirs through it,
+and make their PromptRows with `id_rows`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
+
+from adt_core.families.contract import PromptRows, token_rows
 
 
 class TextTokenizer:
@@ -63,3 +66,17 @@ def read_tokenizer(path: Path):
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(path))
+
+
+def id_rows(cond: list[list[int]], uncond: Callable[[list[int]], list[int]], cfg: bool, max_prompt: int,
+            pad_id: int) -> PromptRows:
+    """PromptRows of a token family: the cond id rows (one per prompt), then with CFG the
+    uncond row `uncond(cond_row)` of each; a cond row longer than max_prompt is refused."""
+    if not cond:
+        raise ValueError("no prompts")
+    longest = max(len(r) for r in cond)
+    if longest > max_prompt:
+        raise ValueError(f"a prompt of {longest} tokens with its template; the bundle holds {max_prompt} "
+                         "(prompt.max_prompt)")
+    rows = cond + [uncond(r) for r in cond] if cfg else cond
+    return token_rows(rows, len(cond), pad_id=pad_id)

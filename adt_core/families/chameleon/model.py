@@ -10,7 +10,7 @@ g = heads, Lumina g = 1 (one row shared by every head, expanded with repeat_inte
 Only the image-code rows of lm_head are kept (ids first_id .. first_id + num_codes - 1): the
 engine never samples another id, and the 7B head shrinks from 65536 to 8192 rows.
 
-`forward` mirrors LlamaGenGPT's: positions, bool mask (R, 1, S, K) and KVCache are arguments.
+`forward` (layers.py's LlamaTarget, shared with Janus) mirrors LlamaGenGPT's: positions, bool mask (R, 1, S, K) and KVCache are arguments.
 Checkpoints: DIR/config.json + DIR/model.safetensors or DIR/model.safetensors.index.json with
 shards, key names as transformers writes them (model.embed_tokens, model.layers.N.self_attn.
 {q,k,v,o}_proj / {q,k}_norm.{weight,bias}, model.layers.N.mlp.{gate,up,down}_proj, model.layers.N.
@@ -30,9 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from adt_core.families.contract import ImageVocab
-from adt_core.families.layers import Attention, DecoderLayer, LlamaBody, Rotary, as_rows, half_rotary
+from adt_core.families.layers import Attention, DecoderLayer, LlamaBody, LlamaTarget
 from adt_core.families.weights import SAFETENSORS_FILES, CheckpointError, WeightFiles, check_state, llama_fields
-from adt_core.kv_cache import KVCache
 
 QK_NORM_EPS = 1e-5  # fixed in Chameleon's qk LayerNorm, whatever rms_norm_eps says
 SKIPPED_PREFIXES = ("model.vqmodel.",)  # the image encoder: not used to generate
@@ -135,7 +134,7 @@ def decoder_layer(cfg: ChameleonConfig) -> DecoderLayer:
     return DecoderLayer(attn, cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, swin=cfg.swin_norm)
 
 
-class ChameleonTarget(nn.Module):
+class ChameleonTarget(LlamaTarget):
     def __init__(self, cfg: ChameleonConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -144,30 +143,9 @@ class ChameleonTarget(nn.Module):
                                cfg.num_hidden_layers)  # `model.*` of the HF checkpoint
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.num_image_codes, bias=False)  # image-code rows only
 
-    def new_cache(self, rows: int, max_len: int, device=None, dtype=None) -> KVCache:
-        p = self.lm_head.weight
-        c = self.config
-        return KVCache(c.num_hidden_layers, rows, c.num_key_value_heads, c.head_dim, max_len,
-                       device or p.device, dtype or p.dtype)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-        cache: KVCache | None = None,
-        tokens: torch.Tensor | None = None,
-        embeds: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (R, S) or (S,); mask (R, 1, S, K) bool (K = cached + S); tokens (R, S) ids
-        or embeds (R, S, D). Returns logits over image codes (R, S, V) fp32 and post-norm hidden (R, S, D)."""
-        if (tokens is None) == (embeds is None):
-            raise ValueError("forward needs exactly one of tokens or embeds")
-        x = self.model.embed_tokens(tokens) if tokens is not None else embeds.to(self.lm_head.weight.dtype)
-        hidden = self.model(x, self.rotary(as_rows(positions, x.shape[0])), mask, cache)
-        return self.head(hidden), hidden
-
-    def rotary(self, positions: torch.Tensor) -> Rotary:
-        return half_rotary(positions, self.config.head_dim, self.config.rope_theta)
+    @property
+    def body(self) -> LlamaBody:
+        return self.model
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """(R, S, D) -> logits over image codes (R, S, V) fp32."""

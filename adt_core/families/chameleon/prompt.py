@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from adt_core.families.contract import ImageVocab, Layout, PromptRows, token_rows
-from adt_core.families.text import TextTokenizer, read_tokenizer, tokenizer_file
+from adt_core.families.contract import ImageVocab, Layout, PromptRows
+from adt_core.families.text import TextTokenizer, id_rows, read_tokenizer, tokenizer_file
 
 LUMINA_TEMPLATE = "Generate an image of {width}x{height} according to the following prompt:\n{prompt}"
 PATCH_PX = 32  # a Lumina size token counts 32 px patches (2 codes)
@@ -183,16 +183,8 @@ class AnolePrompter:
 
 
 def _rows(prompter, prompts: Sequence[str], cfg: bool) -> PromptRows:
-    if not prompts:
-        raise ValueError("no prompts")
-    rows = [prompter.cond_ids(p) for p in prompts]
-    longest = max(len(r) for r in rows)
-    if longest > prompter.max_prompt:
-        raise ValueError(f"a prompt of {longest} tokens with its template; the bundle holds {prompter.max_prompt} "
-                         "(prompt.max_prompt)")
-    if cfg:
-        rows += [prompter.uncond_ids() for _ in prompts]
-    return token_rows(rows, len(prompts), pad_id=prompter.tokenizer.ids["pad"])
+    return id_rows([prompter.cond_ids(p) for p in prompts], lambda _: prompter.uncond_ids(), cfg,
+                   prompter.max_prompt, prompter.tokenizer.ids["pad"])
 
 
 def load_prompter(path: str | Path, layout: str = "lumina", width: int | None = None, height: int | None = None,

@@ -28,10 +28,9 @@ import torch
 from torch import nn
 
 from adt_core.families.contract import ImageVocab
-from adt_core.families.layers import Attention, DecoderLayer, LlamaBody, Rotary, as_rows, half_rotary
+from adt_core.families.layers import Attention, DecoderLayer, LlamaBody, LlamaTarget
 from adt_core.families.vqgan import VQModel
 from adt_core.families.weights import CheckpointError, llama_fields
-from adt_core.kv_cache import KVCache
 
 
 @dataclass(frozen=True)
@@ -181,7 +180,7 @@ class GenHead(nn.Module):
         return self.vision_head(self.vision_activation(self.output_mlp_projector(x)))
 
 
-class JanusTarget(nn.Module):
+class JanusTarget(LlamaTarget):
     def __init__(self, cfg: JanusConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -191,10 +190,9 @@ class JanusTarget(nn.Module):
         self.gen_aligner = GenAligner(cfg)
         self.gen_head = GenHead(cfg)
 
-    def new_cache(self, rows: int, max_len: int, device=None, dtype=None) -> KVCache:
-        p, c = self.gen_embed.weight, self.config
-        return KVCache(c.num_hidden_layers, rows, c.num_key_value_heads, c.head_dim, max_len,
-                       device or p.device, dtype or p.dtype)
+    @property
+    def body(self) -> LlamaBody:
+        return self.language_model.model
 
     def embed_codes(self, codes: torch.Tensor) -> torch.Tensor:
         """Image codes (any shape) -> LM inputs (..., H): gen_aligner(gen_embed(codes)),
@@ -206,29 +204,9 @@ class JanusTarget(nn.Module):
         through the image path. Both are computed for every id (no host sync on the mix)."""
         v = self.vocab
         is_code = v.is_code(tokens)
-        text = self.language_model.model.embed_tokens(torch.where(is_code, 0, tokens))
+        text = self.body.embed_tokens(torch.where(is_code, 0, tokens))
         image = self.embed_codes(torch.where(is_code, v.to_code(tokens), 0))
         return torch.where(is_code[..., None], image.to(text.dtype), text)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-        cache: KVCache | None = None,
-        tokens: torch.Tensor | None = None,
-        embeds: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (R, S) or (S,); mask (R, 1, S, K) bool (K = cached + S); tokens (R, S) ids
-        (text, or T + code) or embeds (R, S, H). Returns logits over the V image codes (R, S, V)
-        fp32 and post-norm hidden states (R, S, H)."""
-        if (tokens is None) == (embeds is None):
-            raise ValueError("forward needs exactly one of tokens or embeds")
-        x = self.embed(tokens) if tokens is not None else embeds.to(self.gen_embed.weight.dtype)
-        hidden = self.language_model.model(x, self.rotary(as_rows(positions, x.shape[0])), mask, cache)
-        return self.head(hidden), hidden
-
-    def rotary(self, positions: torch.Tensor) -> Rotary:
-        return half_rotary(positions, self.config.head_dim, self.config.rope_theta)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """(R, S, H) -> logits over image codes (R, S, V) fp32 (gen_head, not the text lm_head)."""

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from adt_core.families.contract import ImageVocab, Layout, PromptRows, token_rows
-from adt_core.families.text import TextTokenizer, read_tokenizer, tokenizer_file
+from adt_core.families.contract import ImageVocab, Layout, PromptRows
+from adt_core.families.text import TextTokenizer, id_rows, read_tokenizer, tokenizer_file
 
 TEMPLATE = "<|User|>: {prompt}\n\n<|Assistant|>:"
 NAMES = {"bos": "<｜begin▁of▁sentence｜>", "pad": "<｜▁pad▁｜>", "image_start": "<begin_of_image>"}
@@ -137,16 +137,8 @@ class JanusPrompter:
 
     def rows(self, prompts: Sequence[str], cfg: bool) -> PromptRows:
         """Cond rows, then (cfg) uncond rows of the same lengths; every entry valid (attended)."""
-        if not prompts:
-            raise ValueError("no prompts")
-        rows = [self.cond_ids(p) for p in prompts]
-        longest = max(len(r) for r in rows)
-        if longest > self.max_prompt:
-            raise ValueError(f"a prompt of {longest} tokens with its template; the bundle holds {self.max_prompt} "
-                             "(prompt.max_prompt)")
-        if cfg:
-            rows += [self.uncond_ids(r) for r in rows]
-        return token_rows(rows, len(prompts), pad_id=self.tokenizer.ids["pad"])
+        return id_rows([self.cond_ids(p) for p in prompts], self.uncond_ids, cfg, self.max_prompt,
+                       self.tokenizer.ids["pad"])
 
 
 def load_prompter(path: str | Path, grid: int = GRID, vocab: ImageVocab | None = None,
