@@ -182,7 +182,7 @@ def family_of_module(name: str) -> str | None:
 
 
 def test_families_import_no_other_family_and_the_round_no_family():
-    """families -> (contract, registry, layers, vqgan, weights), never family -> family; the round
+    """families -> (contract, registry, layers, vqgan, weights, text), never family -> family; the round
     (adt_core/round/), the engine, calibrate and memory import no family (they read the contract)."""
     bad = []
     for i in project_imports():

@@ -170,12 +170,17 @@ def _level(cin: int, cout: int, n_res: int, with_attn: bool, dropout: float) -> 
     return level
 
 
-def _run_level(level: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    for j, res in enumerate(level.res):
-        h = res(h)
-        if len(level.attn):
-            h = level.attn[j](h)
+def run_blocks(blocks: nn.ModuleList, attn: nn.ModuleList, h: torch.Tensor) -> torch.Tensor:
+    """One resolution level: each ResnetBlock, followed by its AttnBlock when the level has them."""
+    for j, block in enumerate(blocks):
+        h = block(h)
+        if len(attn):
+            h = attn[j](h)
     return h
+
+
+def _run_level(level: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return run_blocks(level.res, level.attn, h)
 
 
 class Encoder(nn.Module):

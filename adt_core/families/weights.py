@@ -1,9 +1,10 @@
 """Reading checkpoint files safely and checking them against the module they load into.
 
-Shared by every family's loaders (llamagen_checkpoints.py, drafter_checkpoints.py, the Janus
-and Chameleon loaders). Weights are read without running pickled code (safetensors, or
-`torch.load` with `weights_only=True`; LlamaGen's training checkpoints carry an
-`argparse.Namespace` under "args", which is the one class allowed through). `check_state`
+Shared by every family's loaders (llamagen/weights.py, llamagen/drafter_weights.py, the Janus
+and Chameleon loaders); `WeightFiles` is the one reader of (sharded) checkpoint directories.
+Weights are read without running pickled code (safetensors, or `torch.load` with
+`weights_only=True`; LlamaGen's training checkpoints carry an `argparse.Namespace` under
+"args", which is the one class allowed through). `check_state`
 refuses a state dict when a required key is missing, a key has the wrong shape or an unknown
 key is present; the error names them.
 """
@@ -14,7 +15,7 @@ import argparse
 import json
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -45,17 +46,13 @@ def torch_load(path: str | Path) -> Any:
 
 
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """One model.safetensors file, or every shard named by a model.safetensors.index.json."""
-    from safetensors.torch import load_file
-
+    """One model.safetensors file, or every shard named by a model.safetensors.index.json
+    (through `WeightFiles`: a missing shard names itself); dtypes as stored."""
     path = Path(path)
-    if path.name.endswith(".index.json"):
-        shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
-        state: dict[str, torch.Tensor] = {}
-        for s in shards:
-            state.update(load_file(str(path.parent / s)))
-        return state
-    return load_file(str(path))
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint file not found: {path}")
+    files = WeightFiles(path.parent, (path.name,))
+    return files.read(files.files)
 
 
 def read_weights(path: Path) -> Any:
@@ -103,6 +100,131 @@ def unwrap_state_dict(obj: Any, source: str = "checkpoint") -> dict[str, torch.T
 def checkpoint_args(obj: Any) -> argparse.Namespace | None:
     args = obj.get("args") if isinstance(obj, Mapping) else None
     return args if isinstance(args, argparse.Namespace) else None
+
+
+# ---- sharded checkpoint directories -------------------------------------------------------
+SAFETENSORS_FILES = ("model.safetensors.index.json", "model.safetensors")
+HF_WEIGHT_FILES = SAFETENSORS_FILES + ("pytorch_model.bin.index.json", "pytorch_model.bin")
+
+
+class WeightFiles:
+    """key -> file of a checkpoint directory: the first of `names` present (an *.index.json's
+    weight_map, whose shards must all exist, or one file). Safetensors are read by header for
+    shapes and tensor by tensor; .bin files through `torch_load` (weights_only, memory-mapped),
+    each at most once per instance, and must be flat name -> tensor mappings."""
+
+    def __init__(self, directory: str | Path, names: Sequence[str] = HF_WEIGHT_FILES) -> None:
+        self.dir = d = Path(directory)
+        found = [d / n for n in names if (d / n).is_file()]
+        if not found:
+            raise CheckpointError(f"{d}: none of {', '.join(names)}")
+        first = found[0]
+        self._bin: dict[Path, dict[str, torch.Tensor]] = {}
+        if first.name.endswith(".index.json"):
+            weight_map = json.loads(first.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointError(f"{first}: no weight_map")
+            for shard in sorted(set(weight_map.values())):
+                if not (d / shard).is_file():
+                    held = sorted(k for k, v in weight_map.items() if v == shard)
+                    raise CheckpointError(f"{d}: missing shard {shard} (holds {len(held)} tensors, e.g. {held[0]})")
+            self.files = {k: d / v for k, v in weight_map.items()}
+        else:
+            self.files = {k: first for k in self._keys(first)}
+
+    def _keys(self, path: Path) -> list[str]:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                return list(f.keys())
+        return list(self._load_bin(path))
+
+    def _load_bin(self, path: Path) -> dict[str, torch.Tensor]:
+        if path not in self._bin:
+            obj = torch_load(path)
+            if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+                raise CheckpointError(f"{path}: expected a flat mapping of names to tensors")
+            self._bin[path] = dict(obj)
+        return self._bin[path]
+
+    def _by_file(self, keys: Iterable[str]) -> dict[Path, list[str]]:
+        out: dict[Path, list[str]] = {}
+        for k in keys:
+            out.setdefault(self.files[k], []).append(k)
+        return out
+
+    def shapes(self, keys: Iterable[str]) -> dict[str, tuple[int, ...]]:
+        """Shapes of `keys` (no tensor data read for safetensors)."""
+        from safetensors import safe_open
+
+        shapes: dict[str, tuple[int, ...]] = {}
+        for path, names in self._by_file(keys).items():
+            if path.suffix == ".safetensors":
+                with safe_open(str(path), framework="pt") as f:
+                    present = set(f.keys())
+                    for k in names:
+                        _held(path, k, present)
+                        shapes[k] = tuple(f.get_slice(k).get_shape())
+            else:
+                state = self._load_bin(path)
+                for k in names:
+                    _held(path, k, state)
+                    shapes[k] = tuple(state[k].shape)
+        return shapes
+
+    def read(self, keys: Iterable[str], dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+             ) -> dict[str, torch.Tensor]:
+        """The named tensors on `device`, contiguous, floating ones cast to `dtype` (None: as stored)."""
+        from safetensors import safe_open
+
+        out: dict[str, torch.Tensor] = {}
+        for path, names in self._by_file(keys).items():
+            if path.suffix == ".safetensors":
+                with safe_open(str(path), framework="pt", device=str(device)) as f:
+                    got = {k: f.get_tensor(k) for k in names}
+            else:
+                state = self._load_bin(path)
+                got = {k: state[k].to(device) for k in names}
+            for k, t in got.items():
+                out[k] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous()
+        return out
+
+
+def _held(path: Path, key: str, present) -> None:
+    if key not in present:
+        raise CheckpointError(f"{path.name}: the index names {key} but the shard does not hold it")
+
+
+# ---- config.json -------------------------------------------------------------------------
+def llama_fields(c: Mapping[str, Any], source: str, eps: float = 1e-6) -> dict:
+    """The Llama-shaped fields of a transformers config dict (LlamaConfig, ChameleonConfig, a
+    Janus text_config): hidden_size, num_attention_heads, intermediate_size, num_hidden_layers,
+    vocab_size, num_key_value_heads, rms_norm_eps (`eps` where absent), rope_theta (v4
+    `rope_theta` or v5 `rope_parameters`). Refuses what these models do not compute: a RoPE
+    other than the default, attention or MLP biases, an activation other than SiLU, a head_dim
+    other than hidden_size / heads."""
+    try:
+        h, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+        out = dict(hidden_size=h, num_attention_heads=heads, intermediate_size=int(c["intermediate_size"]),
+                   num_hidden_layers=int(c["num_hidden_layers"]), vocab_size=int(c["vocab_size"]))
+    except KeyError as e:
+        raise CheckpointError(f"{source}: missing field {e.args[0]!r}") from None
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise CheckpointError(f"{source}: RoPE type {rope.get('rope_type', rope.get('type'))!r} is not supported "
+                              f"(default only)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if c.get(flag):
+            raise CheckpointError(f"{source}: {flag} true is not supported (no biases there)")
+    if c.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{source}: hidden_act {c['hidden_act']!r} (expected silu)")
+    if c.get("head_dim") not in (None, h // heads):
+        raise CheckpointError(f"{source}: head_dim {c['head_dim']} != hidden_size / heads ({h // heads})")
+    out.update(num_key_value_heads=int(c.get("num_key_value_heads") or heads),
+               rms_norm_eps=float(c.get("rms_norm_eps", eps)),
+               rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
+    return out
 
 
 # ---- validation --------------------------------------------------------------------------

@@ -178,13 +178,13 @@ def make_vqgan(directory: str | Path, seed: int = 0, extra: dict | None = None, 
 # ---- LANTERN drafter ----------------------------------------------------------------------
 def drafter_state(target_dir: str | Path, seed: int = 0, qk_groups: int = HEADS) -> dict[str, torch.Tensor]:
     """16 tensors in LANTERN's names; the embedding is the target's (a frozen copy)."""
-    from adt_core.families.chameleon.model import read_tensors, safetensors_index
+    from adt_core.families.weights import SAFETENSORS_FILES, WeightFiles
 
     g = torch.Generator().manual_seed(seed)
     hd = HIDDEN // HEADS
     rnd = lambda *s: 0.08 * torch.randn(*s, generator=g)  # noqa: E731
-    files = safetensors_index(target_dir)
-    state = {"embed_tokens.weight": read_tensors(files, ["model.embed_tokens.weight"], torch.float32)[
+    files = WeightFiles(target_dir, SAFETENSORS_FILES)
+    state = {"embed_tokens.weight": files.read(["model.embed_tokens.weight"], torch.float32)[
         "model.embed_tokens.weight"], "fc.weight": rnd(HIDDEN, 2 * HIDDEN), "fc.bias": rnd(HIDDEN)}
     for p in ("q", "k", "v", "o"):
         state[f"layers.0.self_attn.{p}_proj.weight"] = rnd(HIDDEN, HIDDEN)

@@ -60,9 +60,9 @@ def test_random_drafter_runs_on_the_targets_input_path_and_head(target):
 
     # its token embedding is exactly gen_aligner(gen_embed(code))
     x = drafter.fc(torch.cat([target.gen_aligner(target.gen_embed(codes)), hidden], dim=-1))
-    from adt_core.families.layers import rope_cos_sin
+    from adt_core.families.layers import half_rotary
 
-    ref = drafter.layers[0](x, rope_cos_sin(positions, 16, TINY.rope_theta), causal, None, 0)
+    ref = drafter.layers[0](x, half_rotary(positions, 16, TINY.rope_theta), causal, None, 0)
     torch.testing.assert_close(feats, ref)
 
     cache = drafter.new_cache(2, 16)  # two cached steps == one pass

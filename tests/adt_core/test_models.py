@@ -80,7 +80,7 @@ def test_caption_positions_have_zero_q_and_k():
     x = torch.randn(2, t + 3, m.config.dim)
     pos = torch.arange(t + 3)[None].expand(2, -1)
     attn = m.layers[0].attention
-    q, k, _ = attn.wqkv(x).view(2, t + 3, 3, attn.n_head, attn.head_dim).unbind(2)
+    q, k, _ = attn.qkv(x)  # (B, S, heads, hd) each
     rope = m.rope(pos)
     assert torch.all(apply_rope(q, rope)[:, :t] == 0)
     assert torch.all(apply_rope(k, rope)[:, :t] == 0)

@@ -27,41 +27,25 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from adt_core.families.chameleon.model import ChameleonConfig, ChameleonTarget, DecoderLayer, rope_cos_sin
+from adt_core.families.chameleon.model import ChameleonConfig, ChameleonTarget, decoder_layer
+from adt_core.families.layers import EagleHead, Rotary, half_rotary
 from adt_core.families.weights import CheckpointError, check_state, torch_load, unwrap_state_dict
-from adt_core.kv_cache import KVCache
 from adt_core.round.lantern import load_neighbours  # noqa: F401 - LANTERN's table, re-exported here
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 NUM_TENSORS = 16  # what a LANTERN Chameleon drafter checkpoint holds
 
 
-class ChameleonDrafter(nn.Module):
+class ChameleonDrafter(EagleHead):
     def __init__(self, cfg: ChameleonConfig) -> None:
-        super().__init__()
         if cfg.num_hidden_layers != 1:
             raise ValueError(f"LANTERN drafters have one layer, not {cfg.num_hidden_layers}")
+        super().__init__(cfg.hidden_size, cfg.num_key_value_heads, cfg.head_dim, lambda: decoder_layer(cfg),
+                         nn.Embedding(cfg.vocab_size, cfg.hidden_size))
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
-        self.layers = nn.ModuleList([DecoderLayer(cfg)])
 
-    def new_cache(self, rows: int, max_len: int, device=None, dtype=None) -> KVCache:
-        p, c = self.fc.weight, self.config
-        return KVCache(1, rows, c.num_key_value_heads, c.head_dim, max_len, device or p.device, dtype or p.dtype)
-
-    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                cache: KVCache | None = None) -> torch.Tensor:
-        """tokens (R, S) ids at `positions` (R, S) or (S,); hidden (R, S, H) = target state one
-        position earlier; mask (R, 1, S, K) bool. Returns features (R, S, H) for target.head."""
-        x = self.fc(torch.cat([self.embed_tokens(tokens), hidden.to(self.fc.weight.dtype)], dim=-1))
-        if positions.dim() == 1:
-            positions = positions[None].expand(x.shape[0], -1)
-        rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
-        x = self.layers[0](x, rope, mask, cache, 0)
-        if cache is not None:
-            cache.advance(x.shape[1])
-        return x
+    def rotary(self, positions: torch.Tensor) -> Rotary:
+        return half_rotary(positions, self.config.head_dim, self.config.rope_theta)
 
 
 def _weights_file(d: Path) -> Path:

@@ -10,7 +10,7 @@ g = heads, Lumina g = 1 (one row shared by every head, expanded with repeat_inte
 Only the image-code rows of lm_head are kept (ids first_id .. first_id + num_codes - 1): the
 engine never samples another id, and the 7B head shrinks from 65536 to 8192 rows.
 
-`forward` mirrors LlamaGenGPT's: positions, bool mask (R, 1, S, K) and KVCache are arguments.
+`forward` (layers.py's LlamaTarget, shared with Janus) mirrors LlamaGenGPT's: positions, bool mask (R, 1, S, K) and KVCache are arguments.
 Checkpoints: DIR/config.json + DIR/model.safetensors or DIR/model.safetensors.index.json with
 shards, key names as transformers writes them (model.embed_tokens, model.layers.N.self_attn.
 {q,k,v,o}_proj / {q,k}_norm.{weight,bias}, model.layers.N.mlp.{gate,up,down}_proj, model.layers.N.
@@ -30,9 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from adt_core.families.contract import ImageVocab
-from adt_core.families.layers import MLP, RMSNorm, apply_rotate_half as apply_rope, rope_cos_sin
-from adt_core.families.weights import CheckpointError, check_state
-from adt_core.kv_cache import KVCache
+from adt_core.families.layers import Attention, DecoderLayer, LlamaBody, LlamaTarget
+from adt_core.families.weights import SAFETENSORS_FILES, CheckpointError, WeightFiles, check_state, llama_fields
 
 QK_NORM_EPS = 1e-5  # fixed in Chameleon's qk LayerNorm, whatever rms_norm_eps says
 SKIPPED_PREFIXES = ("model.vqmodel.",)  # the image encoder: not used to generate
@@ -101,27 +100,10 @@ class ChameleonConfig:
     def from_hf(cls, config: Mapping[str, Any], qk_norm_groups: int | None = None,
                 source: str = "config.json", **kw) -> "ChameleonConfig":
         """From a transformers config.json (v4 `rope_theta` or v5 `rope_parameters`)."""
+        lm = llama_fields(config, source, eps=1e-5)
         try:
-            h, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-            ffn, layers = int(config["intermediate_size"]), int(config["num_hidden_layers"])
-            vocab = int(config["vocab_size"])
-        except KeyError as e:
-            raise CheckpointError(f"{source}: missing field {e.args[0]!r}") from None
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise CheckpointError(f"{source}: RoPE type {rope.get('rope_type')!r} is not supported (default only)")
-        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-        for flag in ("attention_bias", "mlp_bias"):
-            if config.get(flag):
-                raise CheckpointError(f"{source}: {flag} true is not supported (Chameleon has no biases there)")
-        if config.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(f"{source}: hidden_act {config['hidden_act']!r} (expected silu)")
-        kv = int(config.get("num_key_value_heads") or heads)
-        try:
-            return cls(hidden_size=h, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=kv, vocab_size=vocab, rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-                       rope_theta=float(theta), swin_norm=bool(config.get("swin_norm", False)),
-                       qk_norm_groups=qk_norm_groups or heads, **kw)
+            return cls(**lm, swin_norm=bool(config.get("swin_norm", False)),
+                       qk_norm_groups=qk_norm_groups or lm["num_attention_heads"], **kw)
         except ValueError as e:
             raise CheckpointError(f"{source}: {e}") from None
 
@@ -144,97 +126,26 @@ class QKNorm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), eps=QK_NORM_EPS) * w + b
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: ChameleonConfig) -> None:
-        super().__init__()
-        h, hd = cfg.hidden_size, cfg.head_dim
-        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = nn.Linear(h, self.heads * hd, bias=False)
-        self.k_proj = nn.Linear(h, self.kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(h, self.kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(self.heads * hd, h, bias=False)
-        self.q_norm = QKNorm(cfg.qk_norm_groups, self.heads, hd)
-        self.k_norm = QKNorm(cfg.k_norm_groups, self.kv_heads, hd)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
-                cache: KVCache | None, layer: int) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim))  # (R, S, heads, hd)
-        k = self.k_norm(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim))  # (R, S, kv, hd)
-        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (R, heads|kv, S, hd)
-        if cache is not None:
-            k, v = cache.write(layer, k, v)  # (R, kv, K, hd)
-        if self.kv_heads != self.heads:
-            k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (R, heads, S, hd)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+def decoder_layer(cfg: ChameleonConfig) -> DecoderLayer:
+    """Chameleon's layer: the Llama layer with qk LayerNorm and, for 34B, swin norms."""
+    heads, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    qk_norm = (QKNorm(cfg.qk_norm_groups, heads, hd), QKNorm(cfg.k_norm_groups, kv, hd))
+    attn = Attention(cfg.hidden_size, heads, kv, qk_norm=qk_norm)
+    return DecoderLayer(attn, cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, swin=cfg.swin_norm)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ChameleonConfig) -> None:
-        super().__init__()
-        self.swin = cfg.swin_norm
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, rope, mask, cache, layer):
-        if self.swin:
-            h = x + self.input_layernorm(self.self_attn(x, rope, mask, cache, layer))
-            return h + self.post_attention_layernorm(self.mlp(h))
-        h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, layer)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class ChameleonBody(nn.Module):
-    """`model.*` of the HF checkpoint: embed_tokens, layers, norm."""
-
-    def __init__(self, cfg: ChameleonConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-class ChameleonTarget(nn.Module):
+class ChameleonTarget(LlamaTarget):
     def __init__(self, cfg: ChameleonConfig) -> None:
         super().__init__()
         self.config = cfg
         self.vocab = cfg.vocab
-        self.model = ChameleonBody(cfg)
+        self.model = LlamaBody(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, lambda: decoder_layer(cfg),
+                               cfg.num_hidden_layers)  # `model.*` of the HF checkpoint
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.num_image_codes, bias=False)  # image-code rows only
 
-    def new_cache(self, rows: int, max_len: int, device=None, dtype=None) -> KVCache:
-        p = self.lm_head.weight
-        c = self.config
-        return KVCache(c.num_hidden_layers, rows, c.num_key_value_heads, c.head_dim, max_len,
-                       device or p.device, dtype or p.dtype)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-        cache: KVCache | None = None,
-        tokens: torch.Tensor | None = None,
-        embeds: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (R, S) or (S,); mask (R, 1, S, K) bool (K = cached + S); tokens (R, S) ids
-        or embeds (R, S, D). Returns logits over image codes (R, S, V) fp32 and post-norm hidden (R, S, D)."""
-        if (tokens is None) == (embeds is None):
-            raise ValueError("forward needs exactly one of tokens or embeds")
-        x = self.model.embed_tokens(tokens) if tokens is not None else embeds.to(self.lm_head.weight.dtype)
-        if positions.dim() == 1:
-            positions = positions[None].expand(x.shape[0], -1)
-        rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, mask, cache, i)
-        if cache is not None:
-            cache.advance(x.shape[1])
-        hidden = self.model.norm(x)
-        return self.head(hidden), hidden
+    @property
+    def body(self) -> LlamaBody:
+        return self.model
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """(R, S, D) -> logits over image codes (R, S, V) fp32."""
@@ -244,64 +155,6 @@ class ChameleonTarget(nn.Module):
 # ---- checkpoints --------------------------------------------------------------------------
 def _skipped(key: str) -> bool:
     return key.startswith(SKIPPED_PREFIXES) or key.endswith(SKIPPED_SUFFIXES)
-
-
-def safetensors_index(directory: str | Path) -> dict[str, Path]:
-    """key -> shard file of DIR/model.safetensors.index.json (every shard must exist), or of
-    DIR/model.safetensors."""
-    from safetensors import safe_open
-
-    d = Path(directory)
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index}: no weight_map")
-        for shard in sorted(set(weight_map.values())):
-            if not (d / shard).is_file():
-                held = sorted(k for k, v in weight_map.items() if v == shard)
-                raise CheckpointError(f"{d}: missing shard {shard} (holds {len(held)} tensors, e.g. {held[0]})")
-        return {k: d / v for k, v in weight_map.items()}
-    single = d / "model.safetensors"
-    if not single.is_file():
-        raise CheckpointError(f"{d}: no model.safetensors.index.json or model.safetensors")
-    with safe_open(str(single), framework="pt") as f:
-        return {k: single for k in f.keys()}
-
-
-def safetensors_shapes(files: Mapping[str, Path]) -> dict[str, tuple[int, ...]]:
-    """Shapes from the files' headers (no tensor data read)."""
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    by_file: dict[Path, list[str]] = {}
-    for k, f in files.items():
-        by_file.setdefault(f, []).append(k)
-    for path, keys in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
-            present = set(f.keys())
-            for k in keys:
-                if k not in present:
-                    raise CheckpointError(f"{path.name}: the index names {k} but the shard does not hold it")
-                shapes[k] = tuple(f.get_slice(k).get_shape())
-    return shapes
-
-
-def read_tensors(files: Mapping[str, Path], keys: list[str], dtype: torch.dtype,
-                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """The named tensors, read shard by shard straight onto `device` and cast to `dtype`."""
-    from safetensors import safe_open
-
-    out: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for k in keys:
-        by_file.setdefault(files[k], []).append(k)
-    for path, names in by_file.items():
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
-            for k in names:
-                t = f.get_tensor(k)
-                out[k] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
-    return out
 
 
 def _meta(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
@@ -340,8 +193,9 @@ def load_chameleon(path: str | Path, dtype: torch.dtype = torch.float32, device:
     if not cfg_file.is_file():
         raise CheckpointError(f"{d}: no config.json")
     config = json.loads(cfg_file.read_text())
-    files = {k: f for k, f in safetensors_index(d).items() if not _skipped(k)}
-    shapes = safetensors_shapes(files)
+    weights = WeightFiles(d, SAFETENSORS_FILES)
+    files = [k for k in weights.files if not _skipped(k)]
+    shapes = weights.shapes(files)
     cfg = ChameleonConfig.from_hf(config, qk_norm_groups(shapes, str(d)), str(cfg_file),
                                   first_image_id=first_image_id, num_image_codes=num_image_codes)
     if cfg.first_image_id + cfg.num_image_codes > cfg.vocab_size:
@@ -351,7 +205,7 @@ def load_chameleon(path: str | Path, dtype: torch.dtype = torch.float32, device:
     if torch.device(device).type == "meta":  # shapes checked from the headers; no tensor read
         with torch.device("meta"):
             return ChameleonTarget(cfg).to(dtype).eval()
-    state = read_tensors(files, list(files), dtype, device)
+    state = weights.read(files, dtype, device)
     state["lm_head.weight"] = state["lm_head.weight"][cfg.vocab.id_slice].clone()
     with torch.device("meta"):
         model = ChameleonTarget(cfg)

@@ -1,7 +1,8 @@
 """Chameleon prompts: the model's own tokenizer and the Lumina-mGPT / Anole layouts.
 
 Tokenizer: a `tokenizers` JSON file, the checkpoint's tokenizer.json (HF) or Meta's
-text_tokenizer.json; special ids are looked up by name, never assumed:
+text_tokenizer.json (read through adt_core/families/text.py); special ids are looked up by
+name, never assumed:
 
     <s> BOS   <racm3:break> image start   <eoss> image end   <reserved08706> end of turn
     <reserved08799> end of line (Lumina)   <reserved{08800 + n}> Lumina size token for n patches
@@ -25,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from adt_core.families.contract import ImageVocab, Layout, PromptRows, token_rows
+from adt_core.families.contract import ImageVocab, Layout, PromptRows
+from adt_core.families.text import TextTokenizer, id_rows, read_tokenizer, tokenizer_file
 
 LUMINA_TEMPLATE = "Generate an image of {width}x{height} according to the following prompt:\n{prompt}"
 PATCH_PX = 32  # a Lumina size token counts 32 px patches (2 codes)
@@ -52,32 +54,18 @@ def image_code_of(name: str) -> int | None:
     return int("".join(str(ord(c) - ord("A")) for c in digits))
 
 
-class ChameleonTokenizer:
-    """Text -> ids with the checkpoint's tokenizer; special ids by name."""
+class ChameleonTokenizer(TextTokenizer):
+    """The checkpoint's tokenizer with Chameleon's special ids and its image vocabulary."""
 
     def __init__(self, tokenizer, source: str = "tokenizer") -> None:
-        self.tok = tokenizer
-        self.source = source
-        self._vocab = tokenizer.get_vocab(with_added_tokens=True)
-        self.ids = {k: self.id_of(name) for k, name in NAMES.items()}
+        super().__init__(tokenizer, NAMES, source, kind="Chameleon")
         self.vocab = self._image_vocab()
-
-    def id_of(self, name: str) -> int:
-        if name not in self._vocab:
-            raise ValueError(f"{self.source}: no token {name!r} (not a Chameleon tokenizer?)")
-        return self._vocab[name]
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=False)
 
     def size_token(self, patches: int) -> int:
         return self.id_of(size_token_name(patches))
 
     def _image_vocab(self) -> ImageVocab:
-        pairs = [(c, i) for name, i in self._vocab.items() if (c := image_code_of(name)) is not None]
+        pairs = [(c, i) for name, i in self.tokens().items() if (c := image_code_of(name)) is not None]
         if not pairs:
             raise ValueError(f"{self.source}: no IMGIMG image tokens")
         pairs.sort()
@@ -90,17 +78,8 @@ class ChameleonTokenizer:
 def load_tokenizer(path: str | Path) -> ChameleonTokenizer:
     """A tokenizer JSON file, or a directory holding tokenizer.json / text_tokenizer.json /
     tokenizer/text_tokenizer.json (first found)."""
-    from tokenizers import Tokenizer
-
-    p = Path(path)
-    if p.is_dir():
-        found = [p / f for f in TOKENIZER_FILES if (p / f).is_file()]
-        if not found:
-            raise FileNotFoundError(f"{p}: none of {', '.join(TOKENIZER_FILES)}")
-        p = found[0]
-    if not p.is_file():
-        raise FileNotFoundError(f"tokenizer file not found: {p}")
-    return ChameleonTokenizer(Tokenizer.from_file(str(p)), str(p))
+    p = tokenizer_file(path, TOKENIZER_FILES)
+    return ChameleonTokenizer(read_tokenizer(p), str(p))
 
 
 # ---- sizes --------------------------------------------------------------------------------
@@ -204,16 +183,8 @@ class AnolePrompter:
 
 
 def _rows(prompter, prompts: Sequence[str], cfg: bool) -> PromptRows:
-    if not prompts:
-        raise ValueError("no prompts")
-    rows = [prompter.cond_ids(p) for p in prompts]
-    longest = max(len(r) for r in rows)
-    if longest > prompter.max_prompt:
-        raise ValueError(f"a prompt of {longest} tokens with its template; the bundle holds {prompter.max_prompt} "
-                         "(prompt.max_prompt)")
-    if cfg:
-        rows += [prompter.uncond_ids() for _ in prompts]
-    return token_rows(rows, len(prompts), pad_id=prompter.tokenizer.ids["pad"])
+    return id_rows([prompter.cond_ids(p) for p in prompts], lambda _: prompter.uncond_ids(), cfg,
+                   prompter.max_prompt, prompter.tokenizer.ids["pad"])
 
 
 def load_prompter(path: str | Path, layout: str = "lumina", width: int | None = None, height: int | None = None,

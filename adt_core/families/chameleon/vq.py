@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adt_core.families.vqgan import GROUPS, NORM_EPS, AttnBlock, Downsample, ResnetBlock, Upsample
+from adt_core.families.vqgan import GROUPS, NORM_EPS, AttnBlock, Downsample, ResnetBlock, Upsample, run_blocks
 from adt_core.families.weights import CheckpointError, check_state, torch_load
 
 SKIPPED_PREFIXES = ("loss.",)
@@ -112,11 +112,7 @@ def _level(cin: int, cout: int, n_res: int, attn: bool) -> nn.Module:
 
 
 def _run_level(level: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    for j, block in enumerate(level.block):
-        h = block(h)
-        if len(level.attn):
-            h = level.attn[j](h)
-    return h
+    return run_blocks(level.block, level.attn, h)  # Meta's names: block, attn
 
 
 class Encoder(nn.Module):

@@ -30,12 +30,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from torch import nn
 
-from adt_core.families.layers import rope_cos_sin
-from adt_core.families.janus.model import DecoderLayer, JanusConfig, JanusTarget
+from adt_core.families.janus.model import JanusConfig, JanusTarget, decoder_layer
+from adt_core.families.layers import EagleHead, Rotary, half_rotary
 from adt_core.families.weights import CheckpointError, check_state
-from adt_core.kv_cache import KVCache
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -90,34 +88,20 @@ class JanusDrafterConfig:
             raise CheckpointError(f"{source}: {e}") from None
 
 
-class JanusDrafter(nn.Module):
+class JanusDrafter(EagleHead):
     def __init__(self, cfg: JanusDrafterConfig, target: JanusTarget) -> None:
-        super().__init__()
         _check_target(cfg, target.config, "drafter config")
+        super().__init__(cfg.hidden_size, cfg.num_key_value_heads, cfg.head_dim,
+                         lambda: decoder_layer(cfg.layer_config(), input_norm=False))
         self.config = cfg
         self.__dict__["target"] = target  # a reference, not a submodule: not in parameters / state_dict
-        h = cfg.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=True)
-        self.layers = nn.ModuleList([DecoderLayer(cfg.layer_config(), input_norm=False)])
 
-    def new_cache(self, rows: int, max_len: int, device=None, dtype=None) -> KVCache:
-        p, c = self.fc.weight, self.config
-        return KVCache(1, rows, c.num_key_value_heads, c.head_dim, max_len, device or p.device, dtype or p.dtype)
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """ids (R, S) (T + code for image codes) through the target's own input path."""
+        return self.target.embed(tokens)
 
-    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                cache: KVCache | None = None) -> torch.Tensor:
-        """tokens (R, S) ids (T + code for image codes) at `positions` (R, S) or (S,); hidden
-        (R, S, H) = target state one position earlier; mask (R, 1, S, K) bool. Returns features
-        (R, S, H) for target.head."""
-        dt = self.fc.weight.dtype
-        x = self.fc(torch.cat([self.target.embed(tokens).to(dt), hidden.to(dt)], dim=-1))
-        if positions.dim() == 1:
-            positions = positions[None].expand(x.shape[0], -1)
-        rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
-        x = self.layers[0](x, rope, mask, cache, 0)
-        if cache is not None:
-            cache.advance(x.shape[1])
-        return x
+    def rotary(self, positions: torch.Tensor) -> Rotary:
+        return half_rotary(positions, self.config.head_dim, self.config.rope_theta)
 
 
 def _check_target(cfg: JanusDrafterConfig, t: JanusConfig, source: str) -> None:

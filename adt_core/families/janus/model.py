@@ -16,7 +16,7 @@ puts codes after the text vocabulary: code c is id T + c (T = the text vocabular
 T .. T + V - 1 through gen_embed + gen_aligner; logits cover the V codes only (gen_head).
 
 Reading checkpoint files (either on-disk layout) and the strict loaders `load_janus` /
-`load_janus_vq` are in janus_weights.py.
+`load_janus_vq` are in janus/weights.py.
 """
 
 from __future__ import annotations
@@ -25,14 +25,12 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from adt_core.families.contract import ImageVocab
-from adt_core.families.layers import MLP, RMSNorm, apply_rotate_half as apply_rope, rope_cos_sin
+from adt_core.families.layers import Attention, DecoderLayer, LlamaBody, LlamaTarget
 from adt_core.families.vqgan import VQModel
-from adt_core.families.weights import CheckpointError
-from adt_core.kv_cache import KVCache
+from adt_core.families.weights import CheckpointError, llama_fields
 
 
 @dataclass(frozen=True)
@@ -100,7 +98,7 @@ class JanusConfig:
 
     @classmethod
     def _from_published(cls, config: Mapping[str, Any], source: str) -> "JanusConfig":
-        lm = _llama_fields(config["language_config"], f"{source}: language_config")
+        lm = llama_fields(config["language_config"], f"{source}: language_config")
         vq = config["gen_vision_config"]["params"]
         aligner = config["gen_aligner_config"]["params"]
         head = config["gen_head_config"]["params"]
@@ -120,7 +118,7 @@ class JanusConfig:
 
     @classmethod
     def _from_transformers(cls, config: Mapping[str, Any], source: str) -> "JanusConfig":
-        lm = _llama_fields(config["text_config"], f"{source}: text_config")
+        lm = llama_fields(config["text_config"], f"{source}: text_config")
         vq = config.get("vq_config") or {}
         d = {"embed_dim": 8, "num_embeddings": 16384, "projection_dim": 2048, "num_hidden_layers": 2,
              "image_token_embed_dim": 2048, "hidden_act": "gelu", **vq}  # JanusVQVAEConfig defaults
@@ -141,88 +139,18 @@ class JanusConfig:
             raise CheckpointError(f"{source}: {e}") from None
 
 
-def _llama_fields(c: Mapping[str, Any], source: str) -> dict:
-    """JanusConfig fields from a LlamaConfig dict, with LlamaConfig's defaults where absent."""
-    try:
-        h, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
-        out = dict(hidden_size=h, num_attention_heads=heads, intermediate_size=int(c["intermediate_size"]),
-                   num_hidden_layers=int(c["num_hidden_layers"]), vocab_size=int(c["vocab_size"]))
-    except KeyError as e:
-        raise CheckpointError(f"{source}: missing field {e.args[0]!r}") from None
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        raise CheckpointError(f"{source}: RoPE type {rope.get('rope_type', rope.get('type'))!r} is not supported")
-    for flag in ("attention_bias", "mlp_bias"):
-        if c.get(flag):
-            raise CheckpointError(f"{source}: {flag} true is not supported")
-    if c.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{source}: hidden_act {c['hidden_act']!r} (expected silu)")
-    if c.get("head_dim") not in (None, h // heads):
-        raise CheckpointError(f"{source}: head_dim {c['head_dim']} != hidden_size / heads ({h // heads})")
-    out.update(num_key_value_heads=int(c.get("num_key_value_heads") or heads),
-               rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-               rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
-    return out
-
-
 # ---- modules ------------------------------------------------------------------------------
-class Attention(nn.Module):
-    """Llama attention: no biases, no qk-norm, rotate-half RoPE, GQA by repeating kv heads."""
-
-    def __init__(self, hidden: int, heads: int, kv_heads: int) -> None:
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
-        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
-                cache: KVCache | None, layer: int) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(b, s, self.heads, self.head_dim), *rope).transpose(1, 2)
-        k = apply_rope(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim), *rope).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)  # (R, kv, S, hd)
-        if cache is not None:
-            k, v = cache.write(layer, k, v)  # (R, kv, K, hd)
-        if self.kv_heads != self.heads:
-            k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (R, heads, S, hd)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm Llama layer; input_norm=False drops the attention's input norm (EAGLE's first
-    drafter layer, whose input is already the fc projection)."""
-
-    def __init__(self, cfg: JanusConfig, input_norm: bool = True) -> None:
-        super().__init__()
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-        if input_norm:
-            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, rope, mask, cache, layer):
-        a = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
-        h = x + self.self_attn(a, rope, mask, cache, layer)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class LlamaBody(nn.Module):
-    """`language_model.model.*`: embed_tokens, layers, norm."""
-
-    def __init__(self, cfg: JanusConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+def decoder_layer(cfg: JanusConfig, input_norm: bool = True) -> DecoderLayer:
+    """The Llama layer: no biases, no qk-norm, GQA; input_norm=False for EAGLE's drafter layer."""
+    attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads)
+    return DecoderLayer(attn, cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, input_norm=input_norm)
 
 
 class LanguageModel(nn.Module):
     def __init__(self, cfg: JanusConfig) -> None:
         super().__init__()
-        self.model = LlamaBody(cfg)
+        self.model = LlamaBody(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, lambda: decoder_layer(cfg),
+                               cfg.num_hidden_layers)  # `language_model.model.*`
 
 
 class GenAligner(nn.Module):
@@ -252,7 +180,7 @@ class GenHead(nn.Module):
         return self.vision_head(self.vision_activation(self.output_mlp_projector(x)))
 
 
-class JanusTarget(nn.Module):
+class JanusTarget(LlamaTarget):
     def __init__(self, cfg: JanusConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -262,10 +190,9 @@ class JanusTarget(nn.Module):
         self.gen_aligner = GenAligner(cfg)
         self.gen_head = GenHead(cfg)
 
-    def new_cache(self, rows: int, max_len: int, device=None, dtype=None) -> KVCache:
-        p, c = self.gen_embed.weight, self.config
-        return KVCache(c.num_hidden_layers, rows, c.num_key_value_heads, c.head_dim, max_len,
-                       device or p.device, dtype or p.dtype)
+    @property
+    def body(self) -> LlamaBody:
+        return self.language_model.model
 
     def embed_codes(self, codes: torch.Tensor) -> torch.Tensor:
         """Image codes (any shape) -> LM inputs (..., H): gen_aligner(gen_embed(codes)),
@@ -277,33 +204,9 @@ class JanusTarget(nn.Module):
         through the image path. Both are computed for every id (no host sync on the mix)."""
         v = self.vocab
         is_code = v.is_code(tokens)
-        text = self.language_model.model.embed_tokens(torch.where(is_code, 0, tokens))
+        text = self.body.embed_tokens(torch.where(is_code, 0, tokens))
         image = self.embed_codes(torch.where(is_code, v.to_code(tokens), 0))
         return torch.where(is_code[..., None], image.to(text.dtype), text)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-        cache: KVCache | None = None,
-        tokens: torch.Tensor | None = None,
-        embeds: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (R, S) or (S,); mask (R, 1, S, K) bool (K = cached + S); tokens (R, S) ids
-        (text, or T + code) or embeds (R, S, H). Returns logits over the V image codes (R, S, V)
-        fp32 and post-norm hidden states (R, S, H)."""
-        if (tokens is None) == (embeds is None):
-            raise ValueError("forward needs exactly one of tokens or embeds")
-        x = self.embed(tokens) if tokens is not None else embeds.to(self.gen_embed.weight.dtype)
-        if positions.dim() == 1:
-            positions = positions[None].expand(x.shape[0], -1)
-        rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
-        for i, layer in enumerate(self.language_model.model.layers):
-            x = layer(x, rope, mask, cache, i)
-        if cache is not None:
-            cache.advance(x.shape[1])
-        hidden = self.language_model.model.norm(x)
-        return self.head(hidden), hidden
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """(R, S, H) -> logits over image codes (R, S, V) fp32 (gen_head, not the text lm_head)."""

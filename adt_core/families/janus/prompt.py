@@ -12,8 +12,8 @@ The uncond row is NOT masked: Janus runs it without an attention mask, so every 
 attended (transformers' JanusForConditionalGeneration.generate does the same). CFG mixes
 uncond + 5 (cond - uncond); T 1; no top-k or top-p (`JANUS_SAMPLING`).
 
-Tokenizer: the checkpoint's tokenizer.json through `tokenizers`; special ids are looked up by
-name (BOS from special_tokens_map.json / tokenizer_config.json when present beside it; a special
+Tokenizer: the checkpoint's tokenizer.json (adt_core/families/text.py); special ids are
+looked up by name (BOS from special_tokens_map.json / tokenizer_config.json when present beside it; a special
 token only tokenizer_config.json's added_tokens_decoder declares is found there). "<|User|>"
 and "<|Assistant|>" are plain text to DeepSeek's tokenizer. Ids: image code c is id T + c, T =
 the language model's text vocabulary (config.json), the target's `ImageVocab`.
@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from adt_core.families.contract import ImageVocab, Layout, PromptRows, token_rows
+from adt_core.families.contract import ImageVocab, Layout, PromptRows
+from adt_core.families.text import TextTokenizer, id_rows, read_tokenizer, tokenizer_file
 
 TEMPLATE = "<|User|>: {prompt}\n\n<|Assistant|>:"
 NAMES = {"bos": "<｜begin▁of▁sentence｜>", "pad": "<｜▁pad▁｜>", "image_start": "<begin_of_image>"}
@@ -76,44 +77,11 @@ def _added_tokens(directory: Path) -> dict[str, int]:
     return out
 
 
-class JanusTokenizer:
-    """Text -> ids with the checkpoint's tokenizer; special ids by name."""
-
-    def __init__(self, tokenizer, source: str = "tokenizer", bos: str = NAMES["bos"],
-                 added: dict[str, int] | None = None) -> None:
-        self.tok = tokenizer
-        self.source = source
-        self._vocab = {**(added or {}), **tokenizer.get_vocab(with_added_tokens=True)}
-        self.names = {**NAMES, "bos": bos}
-        self.ids = {k: self.id_of(name) for k, name in self.names.items()}
-
-    def id_of(self, name: str) -> int:
-        if name not in self._vocab:
-            raise ValueError(f"{self.source}: no token {name!r} (not a Janus / DeepSeek tokenizer?)")
-        return self._vocab[name]
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=False)
-
-    @property
-    def size(self) -> int:
-        """1 + the largest id this tokenizer can produce or names."""
-        return max(self.tok.get_vocab_size(with_added_tokens=True), max(self._vocab.values()) + 1)
-
-
-def load_tokenizer(path: str | Path) -> JanusTokenizer:
+def load_tokenizer(path: str | Path) -> TextTokenizer:
     """tokenizer.json, or a directory holding it."""
-    from tokenizers import Tokenizer
-
-    p = Path(path)
-    if p.is_dir():
-        p = p / TOKENIZER_FILES[0]
-    if not p.is_file():
-        raise FileNotFoundError(f"tokenizer file not found: {p}")
-    return JanusTokenizer(Tokenizer.from_file(str(p)), str(p), _bos_name(p.parent), _added_tokens(p.parent))
+    p = tokenizer_file(path, TOKENIZER_FILES)
+    names = {**NAMES, "bos": _bos_name(p.parent)}
+    return TextTokenizer(read_tokenizer(p), names, str(p), _added_tokens(p.parent), kind="Janus / DeepSeek")
 
 
 def vocab_from_config(path: str | Path) -> ImageVocab | None:
@@ -137,7 +105,7 @@ def vocab_from_config(path: str | Path) -> ImageVocab | None:
 class JanusPrompter:
     """Janus-Pro prompts for a grid x grid image (24: 384 px)."""
 
-    tokenizer: JanusTokenizer
+    tokenizer: TextTokenizer
     vocab: ImageVocab = field(default_factory=lambda: ImageVocab(TEXT_VOCAB, NUM_CODES, TEXT_VOCAB + NUM_CODES))
     grid: int = GRID
     max_prompt: int = MAX_PROMPT  # prompt ids a row may hold (the decoder's cache and memory plan)
@@ -169,16 +137,8 @@ class JanusPrompter:
 
     def rows(self, prompts: Sequence[str], cfg: bool) -> PromptRows:
         """Cond rows, then (cfg) uncond rows of the same lengths; every entry valid (attended)."""
-        if not prompts:
-            raise ValueError("no prompts")
-        rows = [self.cond_ids(p) for p in prompts]
-        longest = max(len(r) for r in rows)
-        if longest > self.max_prompt:
-            raise ValueError(f"a prompt of {longest} tokens with its template; the bundle holds {self.max_prompt} "
-                             "(prompt.max_prompt)")
-        if cfg:
-            rows += [self.uncond_ids(r) for r in rows]
-        return token_rows(rows, len(prompts), pad_id=self.tokenizer.ids["pad"])
+        return id_rows([self.cond_ids(p) for p in prompts], self.uncond_ids, cfg, self.max_prompt,
+                       self.tokenizer.ids["pad"])
 
 
 def load_prompter(path: str | Path, grid: int = GRID, vocab: ImageVocab | None = None,

@@ -1,12 +1,12 @@
-"""Janus-Pro checkpoint files: weight-file reading, layout detection, key names, and the strict
+"""Janus-Pro checkpoint files: layout detection, key names, and the strict
 loaders of the target (`load_janus`) and of its VQ-16 decoder (`load_janus_vq`, after a key remap
-onto LlamaGen's VQ). The modules they load into are in janus.py.
+onto LlamaGen's VQ). The modules they load into are in model.py.
 
 Checkpoints (strict; a missing shard, a missing, misshapen or unknown tensor names itself):
 - published (deepseek-ai/Janus-Pro-7B): config.json {"model_type": "multi_modality",
   "language_config", "gen_vision_config", "gen_aligner_config", "gen_head_config", ...} and
   pytorch_model.bin or sharded pytorch_model-*.bin + pytorch_model.bin.index.json (safetensors
-  read too). Keys: language_model.model.{embed_tokens, layers.N.self_attn.{q,k,v,o}_proj,
+  read too; files through adt_core/families/weights.py's WeightFiles). Keys: language_model.model.{embed_tokens, layers.N.self_attn.{q,k,v,o}_proj,
   layers.N.mlp.{gate,up,down}_proj, layers.N.{input,post_attention}_layernorm, norm}, gen_embed,
   gen_aligner.layers.{0,2}, gen_head.{output_mlp_projector, vision_head}. Not read here:
   language_model.lm_head (text), vision_model.* and aligner.* (understanding encoder),
@@ -28,7 +28,7 @@ import torch
 
 from adt_core.families.janus.model import JanusConfig, JanusTarget, JanusVQ
 from adt_core.families.vqgan import USAGE_WINDOW, infer_vq_config
-from adt_core.families.weights import CheckpointError, check_state, torch_load
+from adt_core.families.weights import CheckpointError, WeightFiles, check_state
 
 PUBLISHED, HF = "published", "transformers"
 # prefixes of tensors the target does not read, per layout (text head, understanding path, VQ)
@@ -36,94 +36,6 @@ SKIPPED = {PUBLISHED: ("language_model.lm_head.", "vision_model.", "aligner.", "
            HF: ("lm_head.", "model.vision_model.", "model.aligner.", "model.vqmodel.")}
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 VQ_PREFIX = {PUBLISHED: "gen_vision_model.", HF: "model.vqmodel."}
-WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
-                "pytorch_model.bin")
-
-
-# ---- checkpoint files ---------------------------------------------------------------------
-class WeightFiles:
-    """key -> file of a checkpoint directory: model.safetensors(.index.json) or
-    pytorch_model.bin(.index.json) (the first present, in that order). .bin files are read with
-    torch.load(weights_only=True, mmap=True), each at most once per instance."""
-
-    def __init__(self, directory: str | Path) -> None:
-        self.dir = d = Path(directory)
-        found = [d / n for n in WEIGHT_FILES if (d / n).is_file()]
-        if not found:
-            raise CheckpointError(f"{d}: none of {', '.join(WEIGHT_FILES)}")
-        first = found[0]
-        self._bin: dict[Path, dict[str, torch.Tensor]] = {}
-        if first.name.endswith(".index.json"):
-            weight_map = json.loads(first.read_text()).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise CheckpointError(f"{first}: no weight_map")
-            for shard in sorted(set(weight_map.values())):
-                if not (d / shard).is_file():
-                    held = sorted(k for k, v in weight_map.items() if v == shard)
-                    raise CheckpointError(f"{d}: missing shard {shard} (holds {len(held)} tensors, e.g. {held[0]})")
-            self.files = {k: d / v for k, v in weight_map.items()}
-        else:
-            self.files = {k: first for k in self._keys(first)}
-
-    def _keys(self, path: Path) -> Iterable[str]:
-        if path.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            with safe_open(str(path), framework="pt") as f:
-                return list(f.keys())
-        return list(self._load_bin(path))
-
-    def _load_bin(self, path: Path) -> dict[str, torch.Tensor]:
-        if path not in self._bin:
-            obj = torch_load(path)
-            if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-                raise CheckpointError(f"{path}: expected a flat mapping of names to tensors")
-            self._bin[path] = dict(obj)
-        return self._bin[path]
-
-    def _by_file(self, keys: Iterable[str]) -> dict[Path, list[str]]:
-        out: dict[Path, list[str]] = {}
-        for k in keys:
-            out.setdefault(self.files[k], []).append(k)
-        return out
-
-    def shapes(self, keys: Iterable[str]) -> dict[str, tuple[int, ...]]:
-        """Shapes of `keys` (no tensor data read for safetensors)."""
-        from safetensors import safe_open
-
-        shapes: dict[str, tuple[int, ...]] = {}
-        for path, names in self._by_file(keys).items():
-            if path.suffix == ".safetensors":
-                with safe_open(str(path), framework="pt") as f:
-                    present = set(f.keys())
-                    for k in names:
-                        if k not in present:
-                            raise CheckpointError(f"{path.name}: the index names {k} but the shard does not hold it")
-                        shapes[k] = tuple(f.get_slice(k).get_shape())
-            else:
-                state = self._load_bin(path)
-                for k in names:
-                    if k not in state:
-                        raise CheckpointError(f"{path.name}: the index names {k} but the shard does not hold it")
-                    shapes[k] = tuple(state[k].shape)
-        return shapes
-
-    def read(self, keys: Iterable[str], dtype: torch.dtype, device: str | torch.device = "cpu"
-             ) -> dict[str, torch.Tensor]:
-        """The named tensors on `device`, floating ones cast to `dtype`."""
-        from safetensors import safe_open
-
-        out: dict[str, torch.Tensor] = {}
-        for path, names in self._by_file(keys).items():
-            if path.suffix == ".safetensors":
-                with safe_open(str(path), framework="pt", device=str(device)) as f:
-                    got = {k: f.get_tensor(k) for k in names}
-            else:
-                state = self._load_bin(path)
-                got = {k: state[k].to(device) for k in names}
-            for k, t in got.items():
-                out[k] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
-        return out
 
 
 def detect_layout(keys: Iterable[str], source: str) -> str:

@@ -1,4 +1,4 @@
-"""The EAGLE / LANTERN draft head for LlamaGen targets.
+"""The EAGLE / LANTERN draft head for LlamaGen targets (adt_core/families/layers.py's EagleHead).
 
 One input pair per sequence position p: the embedding of the token at p and the target's
 post-norm hidden state at p - 1 (which predicted that token). Then
@@ -17,12 +17,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from adt_core.families.layers import MLP, RopeTable, apply_rope  # noqa: F401 - MLP re-exported
-from adt_core.families.layers import RMSNorm
-from adt_core.kv_cache import KVCache
+from adt_core.families.layers import Attention, DecoderLayer, EagleHead, RopeTable, Rotary
 
 
 @dataclass(frozen=True)
@@ -56,68 +53,13 @@ class DrafterConfig:
         )
 
 
-class SelfAttention(nn.Module):
+class Drafter(EagleHead):
     def __init__(self, cfg: DrafterConfig) -> None:
-        super().__init__()
-        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.o_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
-
-    def forward(self, x, rope, mask, cache: KVCache | None):
-        b, s, _ = x.shape
-        split = lambda t: t.view(b, s, self.n_head, self.head_dim)  # noqa: E731
-        q = apply_rope(split(self.q_proj(x)), rope).transpose(1, 2)  # (B, heads, S, hd)
-        k = apply_rope(split(self.k_proj(x)), rope).transpose(1, 2)
-        v = split(self.v_proj(x)).transpose(1, 2)
-        if cache is not None:
-            k, v = cache.write(0, k, v)  # (B, heads, length + S, hd)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class DrafterLayer(nn.Module):
-    def __init__(self, cfg: DrafterConfig) -> None:
-        super().__init__()
-        self.self_attn = SelfAttention(cfg)
-        self.mlp = MLP(cfg.dim, cfg.ffn_dim)
-        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-
-    def forward(self, x, rope, mask, cache):
-        h = x + self.self_attn(x, rope, mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class Drafter(nn.Module):
-    def __init__(self, cfg: DrafterConfig) -> None:
-        super().__init__()
+        layer = lambda: DecoderLayer(Attention(cfg.dim, cfg.n_head), cfg.dim, cfg.ffn_dim, cfg.norm_eps,  # noqa: E731
+                                     input_norm=False)
+        super().__init__(cfg.dim, cfg.n_head, cfg.head_dim, layer, nn.Embedding(cfg.vocab_size, cfg.dim))
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.fc = nn.Linear(2 * cfg.dim, cfg.dim, bias=True)
-        self.layers = nn.ModuleList([DrafterLayer(cfg)])
         self.rope = RopeTable(cfg.grid_h, cfg.grid_w, cfg.cls_token_num, cfg.head_dim, cfg.rope_base)
 
-    def new_cache(self, rows: int, max_len: int, device=None, dtype=None) -> KVCache:
-        p = self.fc.weight
-        return KVCache(1, rows, self.config.n_head, self.config.head_dim, max_len, device or p.device, dtype or p.dtype)
-
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-        cache: KVCache | None = None,
-    ) -> torch.Tensor:
-        """tokens (B, S) at `positions`; hidden (B, S, dim) = target state one position earlier.
-
-        mask: (B, 1, S, K) bool. Returns features (B, S, dim) that regress the target's hidden.
-        """
-        x = self.fc(torch.cat([self.embed_tokens(tokens), hidden.to(self.fc.weight.dtype)], dim=-1))
-        if positions.dim() == 1:
-            positions = positions[None].expand(x.shape[0], -1)
-        x = self.layers[0](x, self.rope(positions), mask, cache)
-        if cache is not None:
-            cache.advance(x.shape[1])
-        return x
+    def rotary(self, positions: torch.Tensor) -> Rotary:
+        return self.rope.rotary(positions)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adt_core.families.layers import RMSNorm, RopeTable, apply_rope
+from adt_core.families.layers import LLAMAGEN_MLP, MLP, Attention, RMSNorm, RopeTable, as_rows, run_layers
 from adt_core.kv_cache import KVCache
 
 
@@ -88,42 +88,11 @@ class CaptionEmbedder(nn.Module):
         return self.cap_proj(captions)  # (B, T, caption_dim) -> (B, T, dim)
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
-        self.wqkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
-        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
-
-    def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor, cache: KVCache | None, layer: int
-    ) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = self.wqkv(x).view(b, s, 3, self.n_head, self.head_dim).unbind(2)  # each (B, S, heads, hd)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, S, hd)
-        if cache is not None:
-            k, v = cache.write(layer, k, v)  # (B, heads, length + S, hd)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, heads, S, hd)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.attention = Attention(cfg)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+        self.attention = Attention(cfg.dim, cfg.n_head, fused=True)
+        self.feed_forward = MLP(cfg.dim, cfg.ffn_dim, names=LLAMAGEN_MLP)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
@@ -187,13 +156,7 @@ class LlamaGenGPT(nn.Module):
         Returns logits (B, S, vocab) in fp32 and post-norm hidden states (B, S, dim).
         """
         x = self.embed(tokens, captions if embeds is None else embeds)  # (B, S, dim)
-        if positions.dim() == 1:
-            positions = positions[None].expand(x.shape[0], -1)
-        rope = self.rope(positions)  # (B, S, hd/2, 2)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, mask, cache, i)
-        if cache is not None:
-            cache.advance(x.shape[1])
+        x = run_layers(self.layers, x, self.rope.rotary(as_rows(positions, x.shape[0])), mask, cache)
         hidden = self.norm(x)
         return self.output(hidden).float(), hidden
 
