@@ -216,7 +216,7 @@ def write_metadata(storage: Storage, latest_ok: pa.Table) -> Optional[str]:
     keys = latest_ok["image_key"].to_pylist()
     rows = latest_ok.select([c for c in SAMPLE_COLUMNS if c in latest_ok.column_names])
     names = [k[len("images/"):] if k and k.startswith("images/") else None for k in keys]
-    mask = pa.array([n is not None for n in names])
+    mask = pa.array([n is not None for n in names], pa.bool_())  # typed: empty when no row is ok
     table = rows.add_column(0, "file_name", pa.array(names, pa.string())).filter(mask)
     if table.num_rows == 0:
         return None

@@ -58,6 +58,8 @@ def cluster():
     had_session = ray.is_initialized()
     if had_session:
         ray.shutdown()
+    saved_env = {k: os.environ.get(k) for k in DUMMY_AWS}
+    os.environ.update(DUMMY_AWS)  # the raylets' environment: actors of jobs from other drivers (jobs.chaos) too
     c = _start(lambda: Cluster(initialize_head=True, connect=False,
                                head_node_args=dict(num_cpus=0, object_store_memory=80 * 1024**2,
                                                    include_dashboard=False, _system_config=FAST_HEALTH)))
@@ -71,10 +73,11 @@ def cluster():
     finally:
         ray.shutdown()
         c.shutdown()
-        if saved is None:
-            os.environ.pop(CPU_ENGINE_ENV, None)
-        else:
-            os.environ[CPU_ENGINE_ENV] = saved
+        for k, v in [(CPU_ENGINE_ENV, saved), *saved_env.items()]:
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         if had_session:
             init_session_ray()
 

@@ -170,3 +170,15 @@ def test_files_layout_loads_with_datasets_imagefolder(tmp_path, ray_session, mon
     first = ds[0]
     assert first["image"].size == (first["width"], first["height"])
     assert first["generation_time_ms"] > 0 and first["method"] == "ar"
+
+
+def test_files_metadata_when_no_prompt_is_ok(tmp_path):
+    """Every row failed (e.g. the store refused every image): no metadata file, no crash."""
+    from pipeline.shards import finish_outputs
+    from pipeline.storage import open_storage
+    from pipeline.telemetry import SCHEMA
+
+    rows = [dict.fromkeys(SCHEMA.names) | {"prompt_id": f"p{i}", "status": "failed", "error": "x"} for i in range(3)]
+    store = open_storage(str(tmp_path / "out"))
+    assert finish_outputs(store, "files", pa.Table.from_pylist(rows, schema=SCHEMA)) == {"metadata_rows": 0}
+    assert not store.exists("images/metadata.parquet")
