@@ -24,6 +24,7 @@ the actor pool is placed on it.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -317,7 +318,7 @@ def connect(cfg: JobConfig, say: Callable[[str], None]) -> bool:
         probe(address, timeout)
         kwargs = dict(address=address)
     if address == "local" or threading.current_thread() is not threading.main_thread():
-        ray.init(log_to_driver=True, **kwargs)
+        ray.init(log_to_driver=True, logging_level=logging.WARNING, **kwargs)  # our line above says it
         return True
 
     def give_up(signum, frame):
@@ -327,7 +328,7 @@ def connect(cfg: JobConfig, say: Callable[[str], None]) -> bool:
     previous = signal.signal(signal.SIGALRM, give_up)
     signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
-        ray.init(log_to_driver=True, **kwargs)
+        ray.init(log_to_driver=True, logging_level=logging.WARNING, **kwargs)  # our line above says it
     except ClusterUnavailable:
         raise
     except Exception as e:  # noqa: BLE001 - any failure to join is "cluster unavailable"

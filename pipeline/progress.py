@@ -90,12 +90,12 @@ class Progress:
         return min(max(self.interval_s, WAIT_CAP_S), self.interval_s * 2 ** self.lines)
 
     def rate(self, now: float) -> Optional[float]:
-        """Images/s since the first rows (for the ETA); at the end, over the whole run from the
-        pool's start, the rate the summary's `time` line reports (a one-wave job has no rate
-        before that: its images arrive together)."""
-        if self.done >= self.total and now > self.started and self.done:
-            return self.done / (now - self.started)
-        if self.first is None or now <= self.first[0] or self.done <= self.first[1]:
+        """Images/s since the first rows (for the ETA), once rows have come in over at least
+        `interval_s` (a one-wave job's images arrive together: a rate over a burst means
+        nothing); None at the end, where the summary's `time` line gives the run's rate."""
+        if self.done >= self.total or self.first is None or self.done <= self.first[1]:
+            return None
+        if now - self.first[0] < self.interval_s:
             return None
         return (self.done - self.first[1]) / (now - self.first[0])
 
@@ -105,16 +105,18 @@ class Progress:
         if self.first is None:
             return text + f", waiting for the first images ({format_duration(now - self.started)} since the pool started)"
         rate = self.rate(now)
-        if rate:
-            left = max(0, self.total - self.done)
-            text += f", {rate:.2f} images/s, ETA {format_duration(left / rate)}"
+        if self.done >= self.total:
+            text += f", done {format_duration(now - self.started)} after the pool started"
+        elif rate:
+            text += f", {rate:.2f} images/s, ETA {format_duration(max(0, self.total - self.done) / rate)}"
         return text
 
     def _draw(self, now: float) -> None:
         frac = self.done / self.total if self.total else 1.0
         filled = int(round(BAR_WIDTH * frac))
         rate = self.rate(now)
-        tail = (f"{rate:.2f} images/s, ETA {format_duration(max(0, self.total - self.done) / rate)}" if rate else
+        tail = (f"done in {format_duration(now - self.started)}" if self.done >= self.total else
+                f"{rate:.2f} images/s, ETA {format_duration(max(0, self.total - self.done) / rate)}" if rate else
                 f"waiting for the first images ({format_duration(now - self.started)})" if self.first is None else "")
         text = f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {self.done}/{self.total} {100 * frac:.0f}% ok {self.ok} {tail}"
         end = "\n" if self.done >= self.total else ""
