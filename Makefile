@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test run bench calibrate scale clean
+.PHONY: venv test run bench calibrate scale chaos clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -45,3 +45,10 @@ calibrate: $(STAMP)
 
 clean:
 	rm -rf $(VENV) outputs
+
+# faults injected into the real job on a multi-node Ray cluster on this machine (jobs/chaos.py,
+# docs/deploy.md): a seeded RNG kills actors, nodes, the S3 server and the driver; every run
+# must end with every prompt exactly once
+CHAOS_ARGS ?= --runs 20 --seed 0
+chaos: $(STAMP)
+	$(PY) -m jobs.chaos $(CHAOS_ARGS)
