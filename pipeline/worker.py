@@ -8,10 +8,11 @@ tests call `run(batch)` (every row as one table) without Ray.
 
 The whole Ray batch goes through one engine stream: up to `decode.batch_size` images in
 flight, the next prompt admitted as soon as one finishes. Order per prompt: the image
-finishes -> store the PNG at <output>/images/<safe prompt id>.png -> its row. The engine
-runs in a decode thread of the call; each PNG is encoded and stored by a bounded pool of writer
-threads (pipeline.writer) while the engine decodes on, and the call's own thread (the generator
-Ray Data consumes) adds a row to the outbox as soon as its write is done. Rows leave in
+finishes -> store the PNG at <output>/images/<safe prompt id>.png -> its row. Each PNG is
+encoded and stored by a bounded pool of writer threads (pipeline.writer) while the engine
+decodes on; after every engine round the call collects the finished writes, so a row joins the
+outbox at most a round after its image is durable. (The engine stays in the call's own thread:
+on CPU, torch's OpenMP matmuls run ~25% slower from a second Python thread.) Rows leave in
 chunks, at most one every YIELD_EVERY_S (the rest when the call ends), each chunk packed
 into one Arrow row (`pack`) so Ray Data hands it on at once instead of merging it into a
 block of its own size target. The driver writes rows as they arrive, so an ok row always
@@ -231,45 +232,20 @@ class GeneratorWorker:
         prompts.sort(key=lambda p: not p.measured)  # measured first: their rows calibrate the others' estimates
         baselines = self._baselines(prompts)
         out.expect_measured(set(baselines))
-        stop, failure = threading.Event(), []
-        decoding = threading.Thread(target=self._decode, args=(prompts, baselines, stop, failure), name="decode",
-                                    daemon=True)
-        decoding.start()
-        try:
-            while True:  # this thread yields rows as their writes finish; the decode thread never waits on it
-                self.writer.ready.clear()
-                ended = not decoding.is_alive()
-                for done in self.writer.done():
+        t0, wait0 = time.perf_counter(), self.writer.wait_s
+        for item in self._stream(prompts):  # finished images, and a tick (None) after every engine round
+            if item is not None:
+                p, res = item
+                for done in self.writer.submit(p, res, baselines.get(p.prompt_id)):  # stored by the writer pool
                     out.add(*done)
-                if ended:
-                    break
-                if out.due():
-                    yield from out.release()
-                self.writer.ready.wait(max(0.005, YIELD_EVERY_S - (time.monotonic() - out.last)))
-        finally:
-            stop.set()  # the consumer closed the generator (or an error): stop after the current image
-            decoding.join()
-        if failure:
-            raise failure[0]
+            for done in self.writer.done():  # writes finished meanwhile: their rows may leave
+                out.add(*done)
+            if out.due():
+                yield from out.release()
+        self.decode_s, self.write_wait_s = time.perf_counter() - t0, self.writer.wait_s - wait0
         for done in self.writer.drain():  # every image durable before the call's last rows
             out.add(*done)
         yield from out.release(final=True)
-
-    def _decode(self, prompts: list["_Prompt"], baselines: dict, stop: threading.Event, failure: list) -> None:
-        """The decode thread of one call: finished images go to the writer pool as they come."""
-        t0, wait0 = time.perf_counter(), self.writer.wait_s
-        stream = self._stream(prompts)
-        try:
-            for p, res in stream:
-                self.writer.submit(p, res, baselines.get(p.prompt_id))
-                if stop.is_set():
-                    break
-        except BaseException as e:  # noqa: BLE001 - handed to the yielding thread, which raises it
-            failure.append(e)
-        finally:
-            stream.close()
-            self.decode_s, self.write_wait_s = time.perf_counter() - t0, self.writer.wait_s - wait0
-            self.writer.ready.set()
 
     def run(self, batch: pa.Table) -> pa.Table:
         """Every row of one batch as one table (plain Python use: tests, notebooks)."""
@@ -319,8 +295,9 @@ class GeneratorWorker:
                     for s in samples]
 
     # ---- helpers --------------------------------------------------------------------------
-    def _stream(self, prompts: list["_Prompt"]) -> Iterator[tuple["_Prompt", Any]]:
-        """(prompt, result or exception) as images finish: the whole batch in flight in one
+    def _stream(self, prompts: list["_Prompt"]) -> Iterator[Optional[tuple["_Prompt", Any]]]:
+        """(prompt, result or exception) as images finish, and None after every engine round (the
+        caller's moment to hand on rows whose writes finished): the whole batch in flight in one
         engine (continuous refill); after an engine error, the unfinished prompts one by one."""
         from adt_core.results import PromptFailure
 
@@ -328,9 +305,11 @@ class GeneratorWorker:
             return
         done: set[int] = set()
         try:
-            for j, res in self.generator.stream([p.prompt for p in prompts], [p.seed for p in prompts]):
-                done.add(j)
-                yield prompts[j], (res.error if isinstance(res, PromptFailure) else res)
+            for finished in self.generator.rounds([p.prompt for p in prompts], [p.seed for p in prompts]):
+                for j, res in finished:
+                    done.add(j)
+                    yield prompts[j], (res.error if isinstance(res, PromptFailure) else res)
+                yield None
             return
         except Exception as e:  # noqa: BLE001
             log.warning("batch of %d failed after %d images (%s); retrying one by one", len(prompts), len(done),

@@ -62,7 +62,8 @@ class _Paced(GeneratorWorker):
 
     def _stream(self, prompts):
         for item in super()._stream(prompts):
-            time.sleep(self.seconds)
+            if item is not None:  # an image, not a round's tick
+                time.sleep(self.seconds)
             yield item
 
 
@@ -120,7 +121,8 @@ class _KillRecut(_KillOnce):
 
     def _stream(self, prompts):
         for item in super()._stream(prompts):
-            time.sleep(self.seconds)
+            if item is not None:  # an image, not a round's tick
+                time.sleep(self.seconds)
             yield item
 
 

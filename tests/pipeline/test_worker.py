@@ -78,21 +78,24 @@ def test_deterministic_and_greedy_matches_ar_baseline(tmp_path):
 def test_one_bad_prompt_fails_alone(tmp_path, monkeypatch):
     """The engine raises mid-stream (after one image): the rest are retried alone."""
     w = make_worker(tmp_path, decode={"method": "ar", "temperature": 0.0})
-    real_generate, real_stream = w.generator.generate, w.generator.stream
+    real_generate, real_rounds = w.generator.generate, w.generator.rounds
 
     def flaky(prompts, seeds):
         if any("boom" in p for p in prompts):
             raise RuntimeError("engine exploded on boom")
         return real_generate(prompts, seeds)
 
-    def flaky_stream(prompts, seeds):
-        for n, item in enumerate(real_stream(prompts, seeds)):
-            if n == 1 and any("boom" in p for p in prompts):
-                raise RuntimeError("engine exploded on boom")
-            yield item
+    def flaky_rounds(prompts, seeds):
+        n = 0
+        for finished in real_rounds(prompts, seeds):
+            for item in finished:
+                if n == 1 and any("boom" in p for p in prompts):
+                    raise RuntimeError("engine exploded on boom")
+                n += 1
+                yield [item]
 
     monkeypatch.setattr(w.generator, "generate", flaky)
-    monkeypatch.setattr(w.generator, "stream", flaky_stream)
+    monkeypatch.setattr(w.generator, "rounds", flaky_rounds)
     rows = [{"prompt_id": f"p{i}", "prompt": p, "seed": i} for i, p in enumerate(["a cat", "boom", "a dog"])]
     got = {r["prompt_id"]: r for r in w.run(batch(rows)).to_pylist()}
     assert (got["p0"]["status"], got["p1"]["status"], got["p2"]["status"]) == ("ok", "failed", "ok")
@@ -140,7 +143,7 @@ def test_unrecoverable_error_outside_ray_raises(tmp_path, monkeypatch):
         raise MemoryError("out of memory")
 
     monkeypatch.setattr(w.generator, "generate", oom)
-    monkeypatch.setattr(w.generator, "stream", oom)
+    monkeypatch.setattr(w.generator, "rounds", oom)
     with pytest.raises(WorkerDied):
         w.run(batch([{"prompt_id": "p", "prompt": "a cat", "seed": 1}]))
 
