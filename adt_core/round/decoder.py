@@ -404,6 +404,6 @@ class BatchDecoder:
         return verify_stochastic(tree, b, mixed, self.s.sampler.sampling, gen, self.s.relax)
 
     def _sjd_one(self, tree: TreeBatch, b: int, mixed, gen, noise):
-        w, n = self.drafter, mixed.shape[0]
-        return verify_sjd(tree.tokens[b, :n].tolist(), tree.depths[b, :n].tolist(), mixed, self.s.sampler.sampling,
+        w, n, h = self.drafter, mixed.shape[0], tree.host()
+        return verify_sjd(h.tokens[b][:n], h.depths[b][:n], mixed, self.s.sampler.sampling,
                           gen, w.chain_q[b], w.chain_has[b].tolist())

@@ -11,7 +11,7 @@ plus one bonus token (see adt_core/round/verify.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -105,20 +105,27 @@ class TreeBatch:
     scores: torch.Tensor  # (C, 1 + M) float: path scores (root 0)
     valid: torch.Tensor  # (C, 1 + M) bool: root and kept nodes
     mask: torch.Tensor  # (C, 1 + M, 1 + M) bool: [b, i, j] = j is i or an ancestor of i (padding: itself)
+    _host: "HostTree | None" = field(default=None, repr=False, compare=False)
 
     @property
     def size(self) -> int:
         return self.tokens.shape[1]
 
+    def host(self) -> "HostTree":
+        """Every slot's tree on the host, read once per round (the slot-by-slot verifiers walk it)."""
+        if self._host is None:
+            self._host = HostTree(self.valid.sum(1).tolist(), self.tokens.tolist(), self.parents.tolist(),
+                                  self.depths.tolist(), self.scores.tolist())
+        return self._host
+
     def kept(self, b: int) -> int:
-        """Slot b's valid nodes (root + kept nodes; they come first): one host read."""
-        return int(self.valid[b].sum())
+        """Slot b's valid nodes (root + kept nodes; they come first)."""
+        return self.host().kept[b]
 
     def children(self, b: int) -> list[list[int]]:
-        """Slot b's tree on the host (the slot-by-slot verifiers walk it): children[i] = the valid
-        nodes below node i, best path score first."""
-        n = self.kept(b)
-        par, sc = self.parents[b, :n].tolist(), self.scores[b, :n].tolist()
+        """Slot b's tree: children[i] = the valid nodes below node i, best path score first."""
+        h, n = self.host(), self.kept(b)
+        par, sc = h.parents[b][:n], h.scores[b][:n]
         kids: list[list[int]] = [[] for _ in par]
         for i, p in enumerate(par):
             if p >= 0:
@@ -126,6 +133,17 @@ class TreeBatch:
         for k in kids:
             k.sort(key=lambda i: -sc[i])
         return kids
+
+
+@dataclass(frozen=True)
+class HostTree:
+    """A TreeBatch's rows as host lists: [b][i] of slot b's node i."""
+
+    kept: list[int]  # (C,) valid nodes per slot
+    tokens: list[list[int]]
+    parents: list[list[int]]
+    depths: list[list[int]]
+    scores: list[list[float]]
 
 
 @dataclass

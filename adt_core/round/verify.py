@@ -132,7 +132,7 @@ def follow_targets(tree: TreeBatch, b: int, targets: list[int], relax: Relaxatio
     A(x) (`relaxed_sets` under probs_at(node), a (V,) distribution) holds y(node) is accepted.
     The bonus token is y at the last accepted node.
     """
-    tokens = tree.tokens[b].tolist()
+    tokens = tree.host().tokens[b]
     kids = tree.children(b)
     node, accepted = 0, []
     while True:
@@ -178,7 +178,7 @@ def verify_stochastic(
 ) -> VerifyResult:
     """Slot b's tree; logits: (n+1, V) CFG-mixed target logits at its valid nodes; p is computed
     only at nodes on the walk."""
-    tokens = tree.tokens[b].tolist()
+    tokens = tree.host().tokens[b]
     kids = tree.children(b)
     node, accepted = 0, []
     while True:
