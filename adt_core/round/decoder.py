@@ -47,7 +47,7 @@ from adt_core.round.planners import planner_for
 from adt_core.round.prefill import prefill_rows
 from adt_core.round.sampler import Sampler
 from adt_core.round.sampling import cfg_mix
-from adt_core.round.state import RoundOutcome, RoundPlan, Slots, TreeBatch, Verified
+from adt_core.round.state import CandidateBatch, RoundOutcome, RoundPlan, Slots, TreeBatch, Verified
 from adt_core.round.tree import rerank_batch
 from adt_core.round.verify import Relaxation, follow_batch, verify_coupled, verify_greedy, verify_stochastic
 
@@ -324,7 +324,7 @@ class BatchDecoder:
         active_t = torch.from_numpy(active).to(dev)
         ver = self._verify(tree, mixed, noise, plan.levels, active)
         counts = torch.where(active_t, ver.accepted + 1, 0)
-        out = self._read(ver, tree, pool.scores, pool.valid, active_t, plan.levels)  # the one host read
+        out = self._read(ver, tree, pool, active_t, plan.levels)  # the one host read
         grow = np.where(active, out.accepted + 1, 0)
         if eol is None:
             self.cache.keep_rows(start, self.rows(ver.path), self.host_rows(grow))
@@ -350,25 +350,35 @@ class BatchDecoder:
             self._static_levels[levels] = StaticLevels.build(self.static, levels, self.s.device)
         return self._static_levels[levels]
 
-    def _read(self, ver: Verified, tree: TreeBatch, scores: torch.Tensor, valid: torch.Tensor,
-              active: torch.Tensor, levels: int) -> RoundOutcome:
+    def _read(self, ver: Verified, tree: TreeBatch, pool: CandidateBatch, active: torch.Tensor,
+              levels: int) -> RoundOutcome:
         """Everything the host needs from this round, in one device -> host copy."""
         c = self.capacity
         live = tree.valid & (tree.depths > 0) & active[:, None]  # (C, 1 + M) drafted nodes of active slots
         conf = torch.where(live, tree.scores.double().exp(), 0.0)
         level_conf = torch.zeros(levels + 1, dtype=torch.float64, device=conf.device)
         level_conf.scatter_add_(0, tree.depths.flatten(), conf.flatten())
-        m = min(self.curve_len - 1, scores.shape[1])
-        best = torch.topk(torch.where(valid & active[:, None], scores.double(), float("-inf")), m, dim=1).values
-        curve = torch.cat([torch.zeros(1, dtype=torch.float64, device=conf.device), best.exp().cumsum(1).sum(0)])
-        curve = torch.cat([curve, curve[-1:].expand(self.curve_len - curve.numel())])
+        curves = self._curves(pool, active, levels)
         depth = torch.where(tree.valid, tree.depths, 0).max(1).values
         nodes = live.sum(1)
-        flat = torch.cat([ver.accepted.double(), depth.double(), nodes.double(), level_conf, curve]).cpu().numpy()
+        flat = torch.cat([ver.accepted.double(), depth.double(), nodes.double(), level_conf, curves.flatten()])
+        flat = flat.cpu().numpy()
         i = np.cumsum([0, c, c, c, levels + 1])
         ints = lambda x: x.astype(np.int64)  # noqa: E731
         return RoundOutcome(ints(flat[i[0]:i[1]]), ints(flat[i[1]:i[2]]), ints(flat[i[2]:i[3]]), flat[i[3]:i[4]],
-                            flat[i[4]:])
+                            flat[i[4]:].reshape(levels, self.curve_len))
+
+    def _curves(self, pool: CandidateBatch, active: torch.Tensor, levels: int) -> torch.Tensor:
+        """(D, n_max + 1): row j - 1, column m = the summed path confidence of each active slot's
+        m best candidates of depth <= j (the expected tokens of a tree of j levels and m nodes,
+        EAGLE-2's expectation), summed over the slots."""
+        m = min(self.curve_len - 1, pool.scores.shape[1])
+        cap = torch.arange(1, levels + 1, device=pool.depths.device)[:, None, None]  # (D, 1, 1)
+        ok = (pool.valid & active[:, None])[None] & (pool.depths[None] <= cap)  # (D, C, P)
+        best = torch.topk(torch.where(ok, pool.scores.double()[None], float("-inf")), m, dim=2).values
+        curve = best.exp().cumsum(2).sum(1)  # (D, m)
+        zero = torch.zeros(levels, 1, dtype=torch.float64, device=curve.device)
+        return torch.cat([zero, curve, curve[:, -1:].expand(levels, self.curve_len - 1 - m)], 1)
 
     # ---- verification ---------------------------------------------------------------------
     def _verify(self, tree: TreeBatch, mixed: torch.Tensor, noise: torch.Tensor | None, levels: int,

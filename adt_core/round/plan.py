@@ -15,11 +15,12 @@ reported (`RoundOutcome`, read back once per round), so planning never waits for
   is 0); its cost budget is adt_core/round/jacobi_plan.py (`JacobiPlanner`).
 - `adt` (budget "cost", the default): the slots' (d, k) as above, and
   1. whether to draft at all: `BatchBudget`'s measured rates (adt_core/round/budget.py);
-  2. M: the width bucket maximising (A + expected accepted tokens) / (verify + draft ms),
-     expected tokens = the last drafted round's summed path confidences of each slot's m best
-     candidates, calibrated by the tokens its kept nodes actually committed;
-  3. a depth cap: the deepest level whose kept nodes' expected tokens pay the level's measured
-     cost at the AR token price (one level deeper is tried when every level paid);
+  2. levels D and kept nodes M together: the pair maximising (A + expected accepted tokens) /
+     (verify(A (1 + M)) + D x draft-level ms), expected tokens = the summed path confidences of
+     each slot's M best candidates no deeper than D (learned per depth as each level's smoothed
+     gain), calibrated by the tokens kept nodes actually committed;
+  3. one level past the chosen depth is tried when it is the deepest learned (and every EXPLORE
+     drafted rounds), so depth grows where levels pay; each slot's depth is min(its d, D);
   4. a plan the model rates clearly below a plain step (VETO) is not run, except as the guard's
      probe: a large batch on a CPU then costs what batched AR costs.
 
@@ -177,7 +178,18 @@ class ShapePlanner(Planner):
 
 
 class CostPlanner(ShapePlanner):
-    """ADT-Tree sized by this device's measured costs (budget "cost")."""
+    """ADT-Tree sized by this device's measured costs (budget "cost").
+
+    Levels D and kept nodes M are chosen together, per round, as the pair with the most expected
+    tokens per ms: (A + cal x A x curve_D[M]) / (cost(A (1 + M)) + D x level ms), where curve_D[M]
+    is the per-slot summed path confidence of the M best candidates of depth <= D (EAGLE-2's
+    expected accepted tokens), learned per depth from the drafted rounds' pools (smoothed), and
+    cal the ratio of the tokens rounds committed to what their kept nodes' confidences promised.
+    A depth never drafted is tried one level past the deepest that won (and again every EXPLORE
+    drafted rounds), so the tree grows where levels pay. Each slot's own depth and width stay the
+    ADT-Tree controller's (adjacency init, bisection), capped by D."""
+
+    EXPLORE = 16  # drafted rounds between tries of one level past the chosen depth
 
     def __init__(self, n_tokens: int, cfg: AdaptiveConfig, grid: AdaptiveGrid, costs: CostTable, capacity: int,
                  cpu: bool = False) -> None:
@@ -189,9 +201,10 @@ class CostPlanner(ShapePlanner):
         self._c0 = 0.0
         self.guard = BatchBudget(costs, cfg)
         self.cal = 1.0  # tokens committed per unit of summed kept-node confidence
-        self.curve: np.ndarray | None = None  # (n_max + 1,) expected accepted tokens per slot keeping m nodes
+        self.curves: dict[int, np.ndarray] = {}  # depth D -> (n_max + 1,) expected accepted tokens per slot, m nodes
+        self.gains: dict[int, np.ndarray] = {}  # depth j -> (n_max + 1,) smoothed gain of level j over depth j - 1
         self.level_ms: float | None = None  # measured draft ms per level
-        self.depth_cap = self._prior_depth(cfg.d_max, cfg.k0)
+        self.drafted = 0  # drafted rounds observed
         self.seen: set[bool] = set()  # kinds of round seen once (the first of each pays one-off costs)
 
     @classmethod
@@ -200,8 +213,8 @@ class CostPlanner(ShapePlanner):
 
     def adopt(self, earlier: "CostPlanner") -> None:
         """Start from what an earlier decoder of the same Generator and capacity learned."""
-        self.guard, self.cal, self.curve = earlier.guard, earlier.cal, earlier.curve
-        self.level_ms, self.depth_cap, self.seen = earlier.level_ms, earlier.depth_cap, earlier.seen
+        self.guard, self.cal, self.curves, self.gains = earlier.guard, earlier.cal, earlier.curves, earlier.gains
+        self.level_ms, self.drafted, self.seen = earlier.level_ms, earlier.drafted, earlier.seen
 
     def share(self, other: "Planner") -> None:
         if isinstance(other, CostPlanner):
@@ -224,14 +237,14 @@ class CostPlanner(ShapePlanner):
         if a == 0 or not self.guard.worth_drafting(a):
             return None
         d, k = self.shapes(slots)
-        d = np.minimum(d, self.depth_cap)
         if d.max(initial=0) <= 0:
             return None
-        levels, width = int(d.max()), int(k[d > 0].max())
-        m, rate = self.nodes(a, levels, width)
+        width = int(k[d > 0].max())
+        levels, m, rate = self.size(a, width)
+        d = np.minimum(d, levels)
         if rate < VETO * a / self.costs.cost(self.capacity) and not self.guard.probing(a):
             return None  # the model expects a clear loss: a plain step (the guard still probes now and then)
-        return RoundPlan(levels, width, m, d, k, np.where(d > 0, m, 0))
+        return RoundPlan(int(d.max()), width, m, d, k, np.where(d > 0, m, 0))
 
     def _prior_rate(self, levels: int, nodes: int, width: int) -> float:
         """Modelled tokens per ms of a full batch before any drafted round: a chain-like tree whose
@@ -240,49 +253,67 @@ class CostPlanner(ShapePlanner):
         expected = c * sum(PRIOR ** j for j in range(1, min(levels, nodes) + 1))
         return (c + expected) / (self.costs.cost(c * (1 + nodes)) + levels * self._level_cost(c, width))
 
-    def _prior_depth(self, d_max: int, width: int) -> int:
-        """The first rounds' depth cap: the best depth under the prior on this device (a
-        flat verify: deep; a steep one, e.g. a large batch on a CPU: one or two levels)."""
-        return max(range(1, d_max + 1), key=lambda d: self._prior_rate(d, bucket(d), width))
-
     def _level_cost(self, a: int, width: int) -> float:
         if self.level_ms is not None:
             return self.level_ms
         return self.costs.draft_cost(self.capacity * width)
 
-    def nodes(self, a: int, levels: int, width: int) -> tuple[int, float]:
-        """M, the width bucket with the best modelled rate for `a` slots, and that rate (tokens
-        per ms; infinite before any drafted round: nothing known yet)."""
-        hi = min(self.cfg.n_max, levels * width if levels > 1 else width)
-        if self.curve is None:  # first drafted rounds: the prior's best width for this depth
-            return max((w for w in WIDTHS if w <= max(hi, 1)), key=lambda m: self._prior_rate(levels, m, width)), \
-                float("inf")
-        draft = levels * self._level_cost(a, width)
-        best, best_rate = 1, -1.0
-        for m in (w for w in WIDTHS if w <= max(hi, 1)):
-            expected = a * self.cal * self.curve[min(m, len(self.curve) - 1)]
-            rate = (a + expected) / (self.costs.cost(self.capacity * (1 + m)) + draft)
-            if rate > best_rate:
-                best, best_rate = m, rate
-        return best, best_rate
+    def _widths(self, levels: int, width: int) -> list[int]:
+        """The node buckets a tree of `levels` levels of `width` children can fill."""
+        hi = min(self.cfg.n_max, width + (levels - 1) * width * width)
+        return [w for w in WIDTHS if w <= max(hi, 1)]
+
+    def size(self, a: int, width: int) -> tuple[int, int, float]:
+        """(D, M, rate): the levels and kept nodes with the best modelled rate (tokens per ms) for
+        `a` slots; the rate is infinite before any drafted round (nothing measured yet: the
+        prior's best shape is tried)."""
+        if not self.curves:
+            shapes = [(d, m) for d in range(1, self.cfg.d_max + 1) for m in self._widths(d, width)]
+            d, m = max(shapes, key=lambda s: self._prior_rate(s[0], s[1], width))
+            return d, m, float("inf")
+        best = (1, 1, -1.0)
+        for d, curve in sorted(self.curves.items()):
+            draft = d * self._level_cost(a, width)
+            for m in self._widths(d, width):
+                expected = a * self.cal * curve[min(m, len(curve) - 1)]
+                rate = (a + expected) / (self.costs.cost(self.capacity * (1 + m)) + draft)
+                if rate > best[2]:
+                    best = (d, m, rate)
+        d, m, rate = best
+        deepest = max(self.curves)
+        if d < self.cfg.d_max and (d == deepest or self.drafted % self.EXPLORE == 0):
+            d += 1  # one level past the chosen depth: measured, and kept if it pays
+        return d, m, rate
 
     def observe(self, plan: RoundPlan, outcome: RoundOutcome, slots: int, round_ms: float, draft_ms: float) -> None:
         accepted = float(outcome.accepted.sum())
         cost = self._cost_ms(round_ms)
         if not self._warm(True):
             return
+        self.drafted += 1
         draft_ms *= cost / max(round_ms, 1e-6)  # the draft share of the round, on the same clock
         self.guard.observe_round(slots, True, cost, slots + int(accepted))
         predicted = float(outcome.level_conf[1:].sum())
         if predicted > 0:
             self.cal += EMA * (accepted / predicted - self.cal)
-        self.curve = outcome.curve / max(slots, 1)
+        self._learn_curves(outcome.curve / max(slots, 1))
         per_level = draft_ms / plan.levels
         self.level_ms = per_level if self.level_ms is None else self.level_ms + EMA * (per_level - self.level_ms)
-        price = self.costs.cost(self.capacity) / max(slots, 1)  # ms of one token from a plain step
-        pays = self.cal * outcome.level_conf[1 : plan.levels + 1] * price >= self.level_ms
-        fail = np.flatnonzero(~pays)
-        self.depth_cap = min(plan.levels + 1, self.cfg.d_max) if fail.size == 0 else max(1, int(fail[0]))
+
+    def _learn_curves(self, rows: np.ndarray) -> None:
+        """rows (D, n_max + 1): this round's per-slot curve of each depth. Depth 1 is smoothed as
+        measured; a deeper depth j as depth j - 1's curve plus the smoothed gain of its level,
+        measured within the same rounds (depths are drafted in different regions of the images,
+        so their own curves would not compare)."""
+        gains = self.gains
+        for j, row in enumerate(rows, start=1):
+            gain = row if j == 1 else row - rows[j - 2]
+            old = gains.get(j)
+            gains[j] = gain if old is None else old + EMA * (gain - old)
+        total = np.zeros_like(rows[0])
+        for j in sorted(gains):
+            total = total + gains[j]
+            self.curves[j] = total
 
     def plain_ahead(self, slots: int, rounds: int) -> bool:
         return self.guard.plain_ahead(slots, rounds)

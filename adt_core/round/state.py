@@ -163,4 +163,4 @@ class RoundOutcome:
     depth: np.ndarray  # (C,) depth of the kept tree
     nodes: np.ndarray  # (C,) drafted nodes verified
     level_conf: np.ndarray  # (D + 1,) summed path confidence of kept nodes per depth (all slots)
-    curve: np.ndarray  # (n_max + 1,) summed confidence of each slot's m best candidates, m = 0 .. n_max
+    curve: np.ndarray  # (D, n_max + 1): [j - 1, m] summed confidence of each slot's m best candidates of depth <= j

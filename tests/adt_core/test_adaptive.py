@@ -103,36 +103,60 @@ def _planner(costs, slots=1, **kw):
     return CostPlanner(256, cfg, AdaptiveGrid(slots, (16, 16), cfg), costs, slots)
 
 
-def test_cost_planner_keeps_few_nodes_when_verification_is_expensive():
-    conf = torch.tensor([0.9, 0.8, 0.5, 0.1, 0.05, 0.02] + [0.01] * 58, dtype=torch.float64)
-    curve = torch.cat([torch.zeros(1, dtype=torch.float64), conf.cumsum(0)]).numpy()
+def _curves(conf_by_level):
+    """Per-slot curves (D, 65) of a tree whose level j holds candidates of confidence conf_by_level[j - 1]."""
+    rows, pool = [], []
+    for level in conf_by_level:
+        pool = sorted(pool + list(level), reverse=True)
+        rows.append(np.concatenate([[0.0], np.cumsum(pool + [0.0] * 64)[:64]]))
+    return np.array(rows)
+
+
+def test_cost_planner_sizes_levels_and_nodes_together():
+    levels = [[0.9, 0.1], [0.8, 0.05], [0.6, 0.03], [0.5] + [0.01] * 7, [0.4] + [0.01] * 15] + [[0.3] + [0.01] * 31] * 3
     flat = CostTable({1: 10.0, 8: 10.0, 64: 10.0, 256: 10.0, 1024: 10.0})
     steep = CostTable({1: 10.0, 8: 80.0, 16: 160.0, 32: 320.0, 64: 640.0})
-    for costs, check in ((flat, lambda m: m == 64), (steep, lambda m: m <= 3)):
+    for costs in (flat, steep):
         p = _planner(costs)
-        first = p.nodes(1, 8, 8)[0]  # before any drafted round: the prior's best width
-        assert first == 8 if costs is flat else first <= 2  # flat: a chain as deep as planned
-        assert p.depth_cap == (8 if costs is flat else 1)  # and depth: a steep verify drafts one level
-        p.curve, p.level_ms = curve, 1.0
-        assert check(p.nodes(1, 8, 8)[0])  # flat: verifying more is free, keep everything; steep: a few
+        d, m, rate = p.size(1, 8)  # before any drafted round: the prior's best shape
+        assert rate == float("inf")
+        assert (d, m) == ((8, 8) if costs is flat else (1, 1))  # flat: a chain as deep as allowed; steep: one node
+        rows = _curves(levels)
+        for j, row in enumerate(rows, start=1):
+            p.curves[j] = row
+        p.level_ms, p.drafted = 0.1, 1  # a cheap drafter; not an exploration round
+        d, m, _ = p.size(1, 8)
+        if costs is flat:
+            assert d == 8 and m == 64  # verifying more is free: every level, every node
+        else:
+            assert d <= 3 and m <= 3  # each node costs a plain step: only the sure first levels
     p = _planner(flat)
-    p.curve, p.level_ms = curve, 1.0
-    assert p.nodes(1, 2, 2)[0] <= 4  # never more nodes than two levels of two children hold
+    p.curves, p.level_ms = {1: _curves(levels)[0], 2: _curves(levels)[1]}, 1.0
+    d, m, _ = p.size(1, 2)
+    assert m <= 6  # never more nodes than two levels of two children hold (2 + 2 x 2)
 
 
-def test_cost_planner_depth_cap_follows_what_levels_pay():
+def test_cost_planner_learns_levels_from_their_gains_and_explores_one_deeper():
     from adt_core.round.state import RoundOutcome, RoundPlan
 
-    costs = CostTable({1: 10.0, 64: 10.0})  # a plain step: 10 ms for one token
+    costs = CostTable({1: 10.0, 2: 11.0, 4: 13.0, 8: 17.0, 64: 80.0})
     p = _planner(costs)
     p.seen = {True, False}  # past the first (warm-up) round of each kind
     plan = RoundPlan(3, 2, 4, np.array([3]), np.array([2]), np.array([4]))
-    out = lambda conf: RoundOutcome(np.array([2]), np.array([3]), np.array([4]), np.array(conf), np.zeros(65))  # noqa: E731
-    p.observe(plan, out([0.0, 0.9, 0.6, 0.4]), 1, round_ms=20.0, draft_ms=3.0)  # 1 ms per level: all pay
-    assert p.depth_cap == 4  # one level deeper is tried
-    p.level_ms = 5.0
-    p.observe(plan, out([0.0, 0.9, 0.6, 0.01]), 1, round_ms=20.0, draft_ms=15.0)
-    assert p.depth_cap == 2  # the third level's expected tokens no longer pay its cost
+    rows = _curves([[0.9, 0.1], [0.8, 0.05], [0.02, 0.01]])  # the third level adds almost nothing
+    out = RoundOutcome(np.array([2]), np.array([3]), np.array([4]), np.array([0.0, 0.9, 0.8, 0.02]), rows)
+    p.observe(plan, out, 1, round_ms=20.0, draft_ms=3.0)
+    assert sorted(p.curves) == [1, 2, 3] and p.level_ms == pytest.approx(1.0)
+    np.testing.assert_allclose(p.curves[3], rows[2])  # one round: the curves as measured
+    for j in (1, 2, 3):  # the gains add up to each depth's curve
+        np.testing.assert_allclose(sum(p.gains[i] for i in range(1, j + 1)), p.curves[j])
+    p.drafted = 1  # not an exploration round
+    d, m, _ = p.size(1, 2)
+    assert d == 2 and 2 <= m <= 4  # the third level does not pay; two sure levels do
+    p.level_ms = 0.01
+    p.curves[3] = _curves([[0.9, 0.1], [0.8, 0.05], [0.7, 0.01]])[2]  # now it would
+    d, _, _ = p.size(1, 2)
+    assert d == 4  # the deepest learned depth wins: one level deeper is tried
 
 
 def test_batch_budget_drafts_only_while_it_measures_faster_and_probes():
