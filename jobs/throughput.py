@@ -10,7 +10,9 @@ with the order reversed), each method keeping its faster one; `--control` adds `
 as a method of its own, whose ratio to ar is what the instrument cannot resolve. Reported per
 temperature: images/s, the ratio to `ar` at the same batch size and to the best `ar` cell,
 whether every image equals `ar`'s (greedy and coupled sampling promise it), mean acceptance
-length and nodes per round, and the compute floor: model FLOPs per image over the measured
+length and nodes per round, for the cost budget its ceiling (the tree its planner rates best at
+the verify costs, draft-level ms and acceptance per depth it measured, as a multiple of a plain
+step's rate: what a round with free bookkeeping would reach), and the compute floor: model FLOPs per image over the measured
 matmul FLOP/s of this device (what a perfectly efficient AR decoder could reach).
 
 Cells are written to the JSON file as they finish; a rerun with the same file skips them.
@@ -145,7 +147,19 @@ def summarise(gen: Generator, res: list, wall: float, cpu: float, clock: str) ->
         "draft_rounds_share": (sum(1 for r in rounds if r.nodes) / len(rounds)) if rounds else 0.0,
         "draft_ms_per_level": level_ms(rounds),
         "sampler": getattr(gen.sampler, "kind", gen.sampler), "tokens": [r.tokens.flatten().tolist() for r in res],
+        "ceiling": ceiling(gen),
     }
+
+
+def ceiling(gen: Generator) -> dict | None:
+    """The cost table's ceiling for a cost-budget method's fullest batch: the tree its planner
+    rates best at what it measured (verify cost per width, draft ms per level, acceptance per
+    depth) and that rate over a plain step's, bookkeeping not counted; None for other methods."""
+    planners = {c: p for c, p in gen._planners.items() if hasattr(p, "ceiling")}
+    if not planners:
+        return None
+    d, m, x = planners[max(planners)].ceiling()
+    return {"levels": d, "nodes": m, "x_plain": x}
 
 
 def throughput(bundle: Bundle, args, prompts: list[str], seeds: list[int]) -> dict:
@@ -198,7 +212,7 @@ def report(out: dict, methods, batches, temps) -> None:
         best_ar = max(cells[f"{t}|{b}|ar"]["images_per_s"] for b in batches)
         print(f"\ntemperature={t}")
         print(f"{'method':<15}{'batch':>6}{'images/s':>10}{'vs ar@batch':>12}{'vs best ar':>11}{'accept len':>11}"
-              f"{'nodes/rnd':>10}{'drafted':>8}{'ms/level':>9}  equals ar")
+              f"{'nodes/rnd':>10}{'drafted':>8}{'ms/level':>9}{'ceiling':>14}  equals ar")
         for b in batches:
             ar = cells[f"{t}|{b}|ar"]
             for m in methods:
@@ -209,7 +223,13 @@ def report(out: dict, methods, batches, temps) -> None:
                 c["equals_ar"] = (c["tokens"] == ar["tokens"]) if exact else None
                 print(f"{m:<15}{b:>6}{c['images_per_s']:>10.3f}{c['vs_ar_same_batch']:>11.2f}x{c['vs_best_ar']:>10.2f}x"
                       f"{c['mean_acceptance_length']:>11.2f}{c['nodes_per_round']:>10.1f}{c['draft_rounds_share']:>8.2f}"
-                      f"{c.get('draft_ms_per_level', 0.0):>9.2f}  {c['equals_ar'] if exact else '-'}")
+                      f"{c.get('draft_ms_per_level', 0.0):>9.2f}{_ceiling(c.get('ceiling')):>14}"
+                      f"  {c['equals_ar'] if exact else '-'}")
+
+
+def _ceiling(ce: dict | None) -> str:
+    """'1.71x (3x6)': the modelled best tree's rate over a plain step's, and its levels x nodes."""
+    return "-" if not ce else f"{ce['x_plain']:.2f}x ({ce['levels']}x{ce['nodes']})"
 
 
 def chart(out: dict, methods, batches, png: str) -> None:

@@ -200,7 +200,8 @@ class CostPlanner(ShapePlanner):
         self.cpu = cpu
         self._c0 = 0.0
         self.guard = BatchBudget(costs, cfg)
-        self.cal = 1.0  # tokens committed per unit of summed kept-node confidence
+        self.hits = np.zeros(cfg.d_max + 2)  # (d_max + 2,) smoothed slots accepting depth j, per drafted round
+        self.conf = np.zeros(cfg.d_max + 2)  # (d_max + 2,) smoothed summed kept-node confidence at depth j
         self.curves: dict[int, np.ndarray] = {}  # depth D -> (n_max + 1,) expected accepted tokens per slot, m nodes
         self.gains: dict[int, np.ndarray] = {}  # depth j -> (n_max + 1,) smoothed gain of level j over depth j - 1
         self.level_ms: float | None = None  # measured draft ms per level
@@ -213,7 +214,8 @@ class CostPlanner(ShapePlanner):
 
     def adopt(self, earlier: "CostPlanner") -> None:
         """Start from what an earlier decoder of the same Generator and capacity learned."""
-        self.guard, self.cal, self.curves, self.gains = earlier.guard, earlier.cal, earlier.curves, earlier.gains
+        self.guard, self.curves, self.gains = earlier.guard, earlier.curves, earlier.gains
+        self.hits, self.conf = earlier.hits, earlier.conf
         self.level_ms, self.drafted, self.seen = earlier.level_ms, earlier.drafted, earlier.seen
 
     def share(self, other: "Planner") -> None:
@@ -242,6 +244,10 @@ class CostPlanner(ShapePlanner):
         width = int(k[d > 0].max())
         levels, m, rate = self.size(a, width)
         d = np.minimum(d, levels)
+        # no level keeps more than m nodes, and a node outside its level's m best has m better
+        # nodes above each descendant: expanding more than m per level drafts what is never kept
+        width = min(width, max(m, self.cfg.k_min))
+        k = np.minimum(k, width)
         if rate < VETO * a / self.costs.cost(self.capacity) and not self.guard.probing(a):
             return None  # the model expects a clear loss: a plain step (the guard still probes now and then)
         return RoundPlan(int(d.max()), width, m, d, k, np.where(d > 0, m, 0))
@@ -271,19 +277,33 @@ class CostPlanner(ShapePlanner):
             shapes = [(d, m) for d in range(1, self.cfg.d_max + 1) for m in self._widths(d, width)]
             d, m = max(shapes, key=lambda s: self._prior_rate(s[0], s[1], width))
             return d, m, float("inf")
-        best = (1, 1, -1.0)
-        for d, curve in sorted(self.curves.items()):
-            draft = d * self._level_cost(a, width)
-            for m in self._widths(d, width):
-                expected = a * self.cal * curve[min(m, len(curve) - 1)]
-                rate = (a + expected) / (self.costs.cost(self.capacity * (1 + m)) + draft)
-                if rate > best[2]:
-                    best = (d, m, rate)
-        d, m, rate = best
+        d, m, rate = max(self._rates(a, width), key=lambda r: r[2])
         deepest = max(self.curves)
         if d < self.cfg.d_max and (d == deepest or self.drafted % self.EXPLORE == 0):
             d += 1  # one level past the chosen depth: measured, and kept if it pays
         return d, m, rate
+
+    def _rates(self, a: int, width: int):
+        """(D, M, modelled tokens per ms) of every learned depth and node bucket, `a` slots."""
+        cal = self.calibration()
+        below = expected_at = 0.0  # curve of depth d - 1; (n_max + 1,) calibrated tokens of depth <= d
+        for d, curve in sorted(self.curves.items()):
+            expected_at, below = expected_at + cal[d] * (curve - below), curve
+            draft = d * self._level_cost(a, width)
+            for m in self._widths(d, width):
+                expected = a * expected_at[min(m, len(expected_at) - 1)]
+                yield d, m, (a + expected) / (self.costs.cost(self.capacity * (1 + m)) + draft)
+
+    def ceiling(self) -> tuple[int, int, float]:
+        """(D, M, x): the tree the model rates best for a full batch at what it has measured (the
+        cost table, the draft level's ms, acceptance per depth), and that rate over a plain
+        step's: the cost table's ceiling, bookkeeping not counted. (0, 0, 1.0) before a drafted round."""
+        c = self.capacity
+        plain = c / self.costs.cost(c)
+        if not self.curves:
+            return 0, 0, 1.0
+        d, m, rate = max(self._rates(c, self.cfg.k_max), key=lambda r: r[2])
+        return (d, m, rate / plain) if rate > plain else (0, 0, 1.0)
 
     def observe(self, plan: RoundPlan, outcome: RoundOutcome, slots: int, round_ms: float, draft_ms: float) -> None:
         accepted = float(outcome.accepted.sum())
@@ -293,12 +313,28 @@ class CostPlanner(ShapePlanner):
         self.drafted += 1
         draft_ms *= cost / max(round_ms, 1e-6)  # the draft share of the round, on the same clock
         self.guard.observe_round(slots, True, cost, slots + int(accepted))
-        predicted = float(outcome.level_conf[1:].sum())
-        if predicted > 0:
-            self.cal += EMA * (accepted / predicted - self.cal)
+        levels = np.arange(1, len(outcome.level_conf))
+        hits = np.zeros_like(self.hits)
+        hits[levels] = (outcome.accepted[:, None] >= levels[None]).sum(0)  # slots that accepted depth j
+        conf = np.zeros_like(self.conf)
+        conf[levels] = outcome.level_conf[1:]
+        self.hits += EMA * (hits - self.hits) * (conf > 0)
+        self.conf += EMA * (conf - self.conf) * (conf > 0)
         self._learn_curves(outcome.curve / max(slots, 1))
         per_level = draft_ms / plan.levels
         self.level_ms = per_level if self.level_ms is None else self.level_ms + EMA * (per_level - self.level_ms)
+
+    def calibration(self) -> np.ndarray:
+        """(d_max + 2,): tokens committed at depth j per unit of kept-node confidence at depth j.
+        A drafter's confidence is not its acceptance (a greedy target accepts an underconfident
+        argmax), and the gap grows with depth (path confidences multiply), so one factor for all
+        depths would undersize deep trees; a depth not yet measured takes the deepest measured."""
+        ratio = np.where(self.conf > 1e-6, self.hits / np.maximum(self.conf, 1e-6), np.nan)
+        known = np.flatnonzero(~np.isnan(ratio))
+        if known.size == 0:
+            return np.ones_like(ratio)
+        ratio[known[-1] + 1 :] = ratio[known[-1]]
+        return np.clip(np.nan_to_num(ratio, nan=1.0), 0.25, 8.0)
 
     def _learn_curves(self, rows: np.ndarray) -> None:
         """rows (D, n_max + 1): this round's per-slot curve of each depth. Depth 1 is smoothed as

@@ -131,7 +131,10 @@ def test_cost_planner_sizes_levels_and_nodes_together():
         else:
             assert d <= 3 and m <= 3  # each node costs a plain step: only the sure first levels
     p = _planner(flat)
+    assert p.ceiling() == (0, 0, 1.0)  # nothing measured: no claim
     p.curves, p.level_ms = {1: _curves(levels)[0], 2: _curves(levels)[1]}, 1.0
+    d, m, x = p.ceiling()
+    assert d == 2 and x == pytest.approx((1 + _curves(levels)[1][m]) / 12.0 * 10.0)  # a flat verify: 10 ms + 2 levels
     d, m, _ = p.size(1, 2)
     assert m <= 6  # never more nodes than two levels of two children hold (2 + 2 x 2)
 
