@@ -46,6 +46,8 @@ PRIOR = 0.7  # before any drafted round: the assumed acceptance of a draft level
 RESUME = 4  # pairs a plain run keeps for the drafter ahead of a possible draft: its catch-up when drafting
 # resumes is one forward over at most these (a 16-pair catch-up at 64 in flight cost ~1.5 plain steps here)
 VETO = 0.8  # a plan the model rates below this fraction of a plain step's rate is not tried (but probed)
+CAL_DECAY = 0.05  # the calibration's evidence decays by this per round that drafts the depth (~20 rounds kept)
+CAL_PRIOR = 1.0  # pseudo-confidence of the calibration's prior (depth j starts at depth j - 1's ratio)
 
 
 def bucket(m: int) -> int:
@@ -200,8 +202,8 @@ class CostPlanner(ShapePlanner):
         self.cpu = cpu
         self._c0 = 0.0
         self.guard = BatchBudget(costs, cfg)
-        self.hits = np.zeros(cfg.d_max + 2)  # (d_max + 2,) smoothed slots accepting depth j, per drafted round
-        self.conf = np.zeros(cfg.d_max + 2)  # (d_max + 2,) smoothed summed kept-node confidence at depth j
+        self.hits = np.zeros(cfg.d_max + 2)  # (d_max + 2,) decayed sum of slots accepting depth j
+        self.conf = np.zeros(cfg.d_max + 2)  # (d_max + 2,) decayed sum of kept-node confidence at depth j
         self.curves: dict[int, np.ndarray] = {}  # depth D -> (n_max + 1,) expected accepted tokens per slot, m nodes
         self.gains: dict[int, np.ndarray] = {}  # depth j -> (n_max + 1,) smoothed gain of level j over depth j - 1
         self.level_ms: float | None = None  # measured draft ms per level
@@ -280,7 +282,8 @@ class CostPlanner(ShapePlanner):
         d, m, rate = max(self._rates(a, width), key=lambda r: r[2])
         deepest = max(self.curves)
         if d < self.cfg.d_max and (d == deepest or self.drafted % self.EXPLORE == 0):
-            d += 1  # one level past the chosen depth: measured, and kept if it pays
+            d += 1  # one level past the chosen depth: measured, and kept if it pays, with nodes
+            m = max(m, bucket(d))  # enough for a chain to reach it (else its acceptance is never seen)
         return d, m, rate
 
     def _rates(self, a: int, width: int):
@@ -308,33 +311,38 @@ class CostPlanner(ShapePlanner):
     def observe(self, plan: RoundPlan, outcome: RoundOutcome, slots: int, round_ms: float, draft_ms: float) -> None:
         accepted = float(outcome.accepted.sum())
         cost = self._cost_ms(round_ms)
+        self._learn_acceptance(outcome, slots)  # every round: acceptance does not depend on warm-up
         if not self._warm(True):
-            return
+            return  # the first drafted round's time holds one-off costs
         self.drafted += 1
         draft_ms *= cost / max(round_ms, 1e-6)  # the draft share of the round, on the same clock
         self.guard.observe_round(slots, True, cost, slots + int(accepted))
+        per_level = draft_ms / plan.levels
+        self.level_ms = per_level if self.level_ms is None else self.level_ms + EMA * (per_level - self.level_ms)
+
+    def _learn_acceptance(self, outcome: RoundOutcome, slots: int) -> None:
         levels = np.arange(1, len(outcome.level_conf))
         hits = np.zeros_like(self.hits)
         hits[levels] = (outcome.accepted[:, None] >= levels[None]).sum(0)  # slots that accepted depth j
         conf = np.zeros_like(self.conf)
         conf[levels] = outcome.level_conf[1:]
-        self.hits += EMA * (hits - self.hits) * (conf > 0)
-        self.conf += EMA * (conf - self.conf) * (conf > 0)
+        kept = conf > 0  # depths with kept nodes this round: only they are evidence
+        self.hits = np.where(kept, (1 - CAL_DECAY) * self.hits + hits, self.hits)
+        self.conf = np.where(kept, (1 - CAL_DECAY) * self.conf + conf, self.conf)
         self._learn_curves(outcome.curve / max(slots, 1))
-        per_level = draft_ms / plan.levels
-        self.level_ms = per_level if self.level_ms is None else self.level_ms + EMA * (per_level - self.level_ms)
 
     def calibration(self) -> np.ndarray:
         """(d_max + 2,): tokens committed at depth j per unit of kept-node confidence at depth j.
         A drafter's confidence is not its acceptance (a greedy target accepts an underconfident
         argmax), and the gap grows with depth (path confidences multiply), so one factor for all
-        depths would undersize deep trees; a depth not yet measured takes the deepest measured."""
-        ratio = np.where(self.conf > 1e-6, self.hits / np.maximum(self.conf, 1e-6), np.nan)
-        known = np.flatnonzero(~np.isnan(ratio))
-        if known.size == 0:
-            return np.ones_like(ratio)
-        ratio[known[-1] + 1 :] = ratio[known[-1]]
-        return np.clip(np.nan_to_num(ratio, nan=1.0), 0.25, 8.0)
+        depths would undersize deep trees. Each depth's ratio is shrunk towards the shallower one's
+        by CAL_PRIOR of pseudo-confidence: one unlucky round cannot zero a depth (its nodes would
+        then never be kept again to show otherwise), and a depth not yet measured takes the
+        shallower ratio."""
+        cal, prev = np.ones_like(self.hits), 1.0
+        for j in range(1, len(cal)):
+            prev = cal[j] = (self.hits[j] + CAL_PRIOR * prev) / (self.conf[j] + CAL_PRIOR)
+        return np.clip(cal, 0.25, 8.0)
 
     def _learn_curves(self, rows: np.ndarray) -> None:
         """rows (D, n_max + 1): this round's per-slot curve of each depth. Depth 1 is smoothed as

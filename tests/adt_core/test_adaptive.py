@@ -162,6 +162,32 @@ def test_cost_planner_learns_levels_from_their_gains_and_explores_one_deeper():
     assert d == 4  # the deepest learned depth wins: one level deeper is tried
 
 
+def test_one_unlucky_round_does_not_zero_a_depth_and_exploring_keeps_nodes_to_reach_it():
+    """The calibration is shrunk towards the shallower depth's ratio: a depth whose kept nodes
+    missed once keeps a fair estimate (a zero would size every later tree without it, so it
+    would never be kept to show otherwise); a tried deeper level comes with nodes to reach it."""
+    from adt_core.round.plan import CAL_PRIOR, bucket
+    from adt_core.round.state import RoundOutcome, RoundPlan
+
+    p = _planner(CostTable({1: 10.0, 2: 11.0, 4: 13.0, 8: 17.0, 64: 80.0}))
+    plan = RoundPlan(2, 2, 3, np.array([2]), np.array([2]), np.array([3]))
+    rows = _curves([[0.5, 0.2], [0.3, 0.1]])
+    p.observe(plan, RoundOutcome(np.array([1]), np.array([2]), np.array([3]), np.array([0.0, 0.7, 0.3]), rows),
+              1, round_ms=20.0, draft_ms=3.0)  # depth 1 accepted, depth 2 missed: one slot, one round
+    cal = p.calibration()
+    assert cal[1] == pytest.approx((1 + CAL_PRIOR) / (0.7 + CAL_PRIOR))
+    assert cal[2] == pytest.approx(cal[1] * CAL_PRIOR / (0.3 + CAL_PRIOR)) and cal[2] > 0.5
+    assert cal[5] == cal[2]  # never measured: the deepest measured ratio
+    for _ in range(60):  # depth 2 keeps missing: the evidence outweighs the prior
+        p.observe(plan, RoundOutcome(np.array([1]), np.array([2]), np.array([3]), np.array([0.0, 0.7, 0.3]), rows),
+                  1, round_ms=20.0, draft_ms=3.0)
+    assert p.calibration()[2] < 0.3
+    p.curves = {1: _curves([[0.9]])[0]}  # one level learned, one node
+    p.level_ms = 0.5
+    d, m, _ = p.size(1, 2)
+    assert d == 2 and m >= bucket(2)  # the level past it is tried with a node to keep there
+
+
 def test_batch_budget_drafts_only_while_it_measures_faster_and_probes():
     b = BatchBudget(CostTable({1: 10.0, 4: 40.0, 64: 640.0}, draft={1: 5.0, 64: 5.0}), AdaptiveConfig(), samples=1)
     assert not b.worth_drafting(4)  # no history: a plain step first
