@@ -170,14 +170,17 @@ def plot(jsonl: str, chart: str) -> None:
     import matplotlib.pyplot as plt
 
     runs = [json.loads(line) for line in Path(jsonl).read_text().splitlines() if line.strip()]
-    panels = [("rows_per_s", "rows/s (pool)"), ("start_s", "start-up s"), ("driver_rss_mb", "driver RSS MB"),
-              ("resume_start_s", "resume start-up s")]
+    panels = [("rows_per_s", "rows/s (pool)"), ("start_s", "start-up s (before the pool)"),
+              ("driver_rss_mb", "driver RSS MB"), ("resume_start_s", "resume start-up s")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
+    lines = sorted({(r["store"], r.get("code", "")) for r in runs})
     for ax, (key, title) in zip(axes, panels):
-        for store in sorted({r["store"] for r in runs}):
-            pts = sorted((r["rows"], r[key]) for r in runs if r["store"] == store and r.get(key))
+        for store, code in lines:
+            pts = sorted((r["rows"], r[key]) for r in runs
+                         if (r["store"], r.get("code", "")) == (store, code) and r.get(key))
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=store)
+                ax.plot(*zip(*pts), marker="o", linestyle="--" if code == "before" else "-",
+                        label=f"{store} {code}".strip())
         ax.set(xscale="log", yscale="log", title=title, xlabel="prompts")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend()
@@ -195,6 +198,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--s3", metavar="ENDPOINT", help="write to this S3-compatible endpoint (bucket 'scale'); "
                    "'moto' starts a loopback server in this process")
     p.add_argument("--json", help="append one JSON line per size here")
+    p.add_argument("--code", default="", help="a tag written into each JSON line (e.g. before / after a change)")
     p.add_argument("--plot", metavar="JSONL", help="only draw the log-log figure of these JSON lines (to --chart)")
     p.add_argument("--chart", default="docs/img/scale.png", help="where --plot writes the figure")
     args = p.parse_args(argv)
@@ -224,6 +228,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         for n in [int(x) for x in args.rows.split(",")]:
             got = run_size(n, root, output, args.actors, args.images, storage)
             got["store"] = "s3" if args.s3 else "local"
+            if args.code:
+                got["code"] = args.code
             print(json.dumps(got), flush=True)
             if args.json:
                 with open(args.json, "a") as f:

@@ -52,6 +52,7 @@ from pipeline.telemetry import RowContext, failed_row, to_table
 from pipeline.worker import GeneratorWorker, unpack
 
 REDO_PASSES = 3  # pools run over the prompts still without a row, at most
+PROMPT_TASK_CPUS = 0.25  # logical CPUs of a prompt read / filter task (I/O beside the actors)
 # Test override: actors reserve logical GPUs (num_gpus) but their engines compute on CPU
 # (a multi-node test cluster on a machine without GPUs; docs/deploy.md).
 CPU_ENGINE_ENV = "ADT_ENGINE_ON_CPU"
@@ -168,9 +169,13 @@ def _dataset(run: PoolRun, plan: ActorPlan, todo: IdSet, everything: bool):
         ctx.wait_for_min_actors_s = 1800  # fail rather than hang when actors cannot be placed
     source = run.source
     ds = _read_prompt_files(source).select_columns(source.columns)
-    if not everything:  # the hashes travel once, in the map's transformer (Ray Data puts it in the object store)
-        ds = ds.map_batches(keep_hashes, fn_kwargs={"hashes": todo.hashes, "salt": todo.salt},
-                            batch_format="pyarrow", batch_size=None)
+    # The filter: the hashes travel once, in the map's transformer (Ray Data puts it in the
+    # object store); none when every prompt is selected. Ray Data fuses it with the repartition.
+    # Read and filter ask PROMPT_TASK_CPUS each: they run beside the actors, and a read held back
+    # by the pool's backpressure keeps its CPU, so with a whole CPU each the filter could never
+    # be placed on a 2-CPU node whose actors hold the rest (10^7 prompts in one file hung so).
+    ds = ds.map_batches(keep_hashes, fn_kwargs={"hashes": None if everything else todo.hashes, "salt": todo.salt},
+                        batch_format="pyarrow", batch_size=None, num_cpus=PROMPT_TASK_CPUS)
     # Small prompt files arrive as one block (one actor would get everything): split by rows.
     per_block = max(1, min(rows, math.ceil(len(todo) / (plan.pool_max * 4))))
     device = "cpu" if os.environ.get(CPU_ENGINE_ENV) == "1" else plan.device
@@ -203,7 +208,7 @@ def _read_prompt_files(source: PromptSource):
     ctx = DataContext.get_current()
     saved, ctx.use_datasource_v2 = ctx.use_datasource_v2, False
     try:
-        return ray.data.read_parquet(source.paths, filesystem=source.filesystem)
+        return ray.data.read_parquet(source.paths, filesystem=source.filesystem, num_cpus=PROMPT_TASK_CPUS)
     finally:
         ctx.use_datasource_v2 = saved
 

@@ -20,7 +20,7 @@ so a fresh task worker loads it in milliseconds.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 import pyarrow as pa
@@ -122,10 +122,10 @@ class IdSet:
         return IdSet(self.hashes[~self.seen], self.salt)
 
 
-def keep_hashes(batch: pa.Table, hashes: np.ndarray, salt: int) -> pa.Table:
-    """The rows of `batch` whose prompt_id hashes into `hashes` (sorted): the prompt read's
-    filter, run in Ray Data tasks."""
-    if batch.num_rows == 0:
+def keep_hashes(batch: pa.Table, hashes: Optional[np.ndarray], salt: int) -> pa.Table:
+    """The rows of `batch` whose prompt_id hashes into `hashes` (sorted; None: every row): the
+    prompt read's filter, run in Ray Data tasks."""
+    if batch.num_rows == 0 or hashes is None:
         return batch
     h = id_hashes(batch["prompt_id"], salt)
     pos = np.minimum(np.searchsorted(hashes, h), max(len(hashes) - 1, 0))

@@ -39,6 +39,7 @@ def test_the_seen_set_takes_each_member_once_and_names_the_missing():
     assert s.seen_count == 3 and s.missing().contains(every).tolist() == [False, False, False, True]
     kept = keep_hashes(pa.table({"prompt_id": every}), s.missing().hashes, 0)
     assert kept["prompt_id"].to_pylist() == ["d"]
+    assert keep_hashes(pa.table({"prompt_id": every}), None, 0)["prompt_id"].to_pylist() == ["a", "b", "c", "d"]  # every prompt
 
 
 def test_selection_skips_done_ids_and_reads_ids_again_once_released(tmp_path):
