@@ -75,10 +75,16 @@ def ray_cluster(tmp_path):
     address = f"http://127.0.0.1:{dash}"
     try:
         _wait(procs, tmp_path, lambda: _get(f"{address}/api/version") is not None, "the head's job API")
-        for _ in range(GPU_NODES):
-            procs.append(subprocess.Popen(_worker_node_cmd(ports["--port"], temp_dir), env=env, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
-        _wait(procs, tmp_path, lambda: _alive_nodes(address) == 1 + GPU_NODES, f"{GPU_NODES} worker nodes")
+        for i in range(GPU_NODES):  # one at a time: Ray gives a starting node 30 s to register
+            for attempt in range(2):  # on a loaded machine that can pass: try once more
+                node_log = tmp_path / f"ray_node{i}_{attempt}.log"
+                with open(node_log, "wb") as out:
+                    procs.append(subprocess.Popen(_worker_node_cmd(ports["--port"], temp_dir), env=env, stdout=out,
+                                                  stderr=subprocess.STDOUT, start_new_session=True))
+                if _joined(procs[-1], address, 2 + i) or "timed out during startup" not in node_log.read_text():
+                    break
+                procs.pop()
+            _wait(procs, tmp_path, lambda: _alive_nodes(address) >= 2 + i, f"worker node {i + 1}")
         yield address, env
     finally:
         # Stop what we started, by PID: each `ray start --block` process group (workers first),
@@ -143,13 +149,24 @@ def _alive_nodes(address: str) -> int:
     return sum(n.get("state") == "ALIVE" for n in _state(address, "nodes"))
 
 
+def _joined(proc, address: str, nodes: int, limit_s: float = 180) -> bool:
+    """Until the cluster has `nodes` alive nodes (True) or `proc` exited (False)."""
+    deadline = time.monotonic() + limit_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        if _alive_nodes(address) >= nodes:
+            return True
+        time.sleep(0.5)
+    return False
+
+
 def _wait(procs, tmp_path, ready, what: str, limit_s: float = 180) -> None:
     """Until `ready()` (polling a condition, not a fixed sleep); fails if a `ray start` exited."""
     deadline = time.monotonic() + limit_s
     while not ready():
         for proc in procs:
             if proc.poll() is not None:
-                pytest.fail(f"ray start exited with {proc.returncode}:\n{(tmp_path / 'ray_start.log').read_text()[-3000:]}")
+                logs = "".join(p.read_text()[-1500:] for p in sorted(tmp_path.glob("ray_*.log")))
+                pytest.fail(f"ray start exited with {proc.returncode}:\n{logs}")
         if time.monotonic() > deadline:
             pytest.fail(f"{what} did not come up in {limit_s:.0f} s")
         time.sleep(0.5)
