@@ -6,6 +6,7 @@ row at once (no model; with --images, a constant 1x1 PNG stored under the prompt
 real image). What it measures is the pipeline's ceiling, not a model's speed.
 
     python -m jobs.scale --rows 10000,100000,1000000 [--s3 ENDPOINT|moto] [--images] [--json F]
+    python -m jobs.scale --rows 10000000 --rows-per-file 1000000 [--window 1000000]
     make scale
 
 Per size: rows/s while the pool ran, time to the first durable row, the driver's peak RSS,
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import shutil
 import sys
@@ -26,7 +28,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.cli import CliParser
@@ -63,15 +67,23 @@ class NullWorker:
         yield pack(rows)
 
 
-def make_prompts(path: Path, n: int) -> Path:
-    """n synthetic prompts (prompt_id, prompt, seed) in one Parquet file, written in slices."""
+def make_prompts(path: Path, n: int, per_file: Optional[int] = None) -> Path:
+    """n synthetic prompts (prompt_id s000000000.., prompt, seed) in one Parquet file at `path`
+    (or, with `per_file` < n, a folder `path` of files of `per_file` rows, in id order), written
+    in slices of 10^6 rows with Arrow kernels (no Python string a row in the driver's process)."""
     schema = pa.schema([("prompt_id", pa.string()), ("prompt", pa.string()), ("seed", pa.int64())])
-    with pq.ParquetWriter(path, schema) as w:
-        for start in range(0, n, 1_000_000):
-            ids = range(start, min(n, start + 1_000_000))
-            w.write_table(pa.table({"prompt_id": [f"s{i:09d}" for i in ids],
-                                    "prompt": [f"a smiling face number {i % 977}" for i in ids],
-                                    "seed": pa.array(ids, pa.int64())}, schema=schema))
+    per_file = per_file if per_file and per_file < n else n
+    if per_file < n:
+        path.mkdir(parents=True)
+    for f, first in enumerate(range(0, n, per_file)):
+        target = path / f"part-{f:05d}.parquet" if per_file < n else path
+        with pq.ParquetWriter(target, schema) as w:
+            for start in range(first, min(n, first + per_file), 1_000_000):
+                seq = pa.array(np.arange(start, min(n, first + per_file, start + 1_000_000), dtype=np.int64))
+                ids = pc.binary_join_element_wise("s", pc.utf8_lpad(pc.cast(seq, pa.string()), 9, "0"), "")
+                text = pc.binary_join_element_wise("a smiling face number ", pc.cast(pc.remainder(seq, 977), pa.string()), "")
+                w.write_table(pa.table({"prompt_id": ids, "prompt": text, "seed": seq}, schema=schema))
+    pa.default_memory_pool().release_unused()  # the driver's RSS is measured from here on
     return path
 
 
@@ -118,52 +130,69 @@ def _ledger(out: str, cfg: JobConfig) -> dict[str, Any]:
     return {"files": len(keys)}
 
 
-def run_size(n: int, root: Path, output: str, actors: int, images: bool, storage: dict) -> dict[str, Any]:
-    """One size: a full run, then a run of the first half and a resume of the rest."""
+def run_size(n: int, root: Path, output: str, actors: int, images: bool, storage: dict,
+             full_run: bool = True, window: Optional[int] = None, per_file: Optional[int] = None) -> dict[str, Any]:
+    """One size: a full run (unless not `full_run`; with `window`, a run of the first `window`
+    prompts of the n-row file: its start-up reads and selects all n, its rows/s is a steady
+    window), then a run of the first half and a resume of the rest (into {output}/half_{n})."""
     from pipeline.driver import run_job
 
-    src = make_prompts(root / f"prompts_{n}.parquet", n)
+    src = make_prompts(root / f"prompts_{n}.parquet", n, per_file)
     os.environ["ADT_SCALE_IMAGES"] = "1" if images else "0"
     rows_per_call = max(64, min(4096, n // (actors * 16)))
     base = {"job_id": "scale", "bundle": "random:0", "input": str(src), "num_actors": actors,
             "batch_size": rows_per_call, "decode": {"method": "ar"}, "progress": False, "device": "cpu",
             "progress_interval_s": 3600, "storage": storage}
-    full = build_config(base | {"output": f"{output}/full_{n}"})
-    with _Sampler() as s:
-        t0 = time.perf_counter()
-        res = run_job(full, stream=io.StringIO(), worker=NullWorker)
-        job_s = time.perf_counter() - t0
-    assert res.exit_code == 0 and res.summary["ok"] == n, res.summary
+    got: dict[str, Any] = {"rows": n, "rows_per_call": rows_per_call, "prompt_files": math.ceil(n / min(per_file or n, n))}
+    if window:
+        got["window"] = window
+    if full_run:  # first: the driver's RSS is measured in a process no earlier run has used
+        full = build_config(base | {"output": f"{output}/full_{n}", "limit": window})
+        with _Sampler() as s:
+            t0 = time.perf_counter()
+            res = run_job(full, stream=io.StringIO(), worker=NullWorker)
+            job_s = time.perf_counter() - t0
+        assert res.exit_code == 0 and res.summary["ok"] == (window or n), res.summary
+        exec_s = res.summary["wall_time_s"]
+        got.update(rows_per_s=(window or n) / exec_s, pool_s=exec_s, job_s=job_s, start_s=job_s - exec_s,
+                   first_row_s=res.summary["first_row_s"], driver_rss_mb=s.rss / 2**20,
+                   object_store_peak_mb=s.store / 2**20, ledger_parts=res.summary["ledger_parts"],
+                   **_ledger(f"{output}/full_{n}", full))
     half = build_config(base | {"output": f"{output}/half_{n}", "limit": max(1, n // 2)})
-    assert run_job(half, stream=io.StringIO(), worker=NullWorker).exit_code == 0
-    t1 = time.perf_counter()
-    again = run_job(half.model_copy(update={"limit": None, "resume": True}), stream=io.StringIO(), worker=NullWorker)
-    resume_s = time.perf_counter() - t1
-    assert again.exit_code == 0 and again.summary["skipped"] == n // 2 and again.summary["job_ok"] == n
-    exec_s = res.summary["wall_time_s"]
-    return {"rows": n, "rows_per_s": n / exec_s, "pool_s": exec_s, "job_s": job_s,
-            "start_s": job_s - exec_s, "driver_rss_mb": s.rss / 2**20, "object_store_peak_mb": s.store / 2**20,
-            "ledger_parts": res.summary["ledger_parts"], "rows_per_call": rows_per_call,
-            "resume_s": resume_s, "resume_start_s": again.summary["job_wall_time_s"] - again.summary["wall_time_s"],
-            **_ledger(f"{output}/full_{n}", full)}
+    first = run_job(half, stream=io.StringIO(), worker=NullWorker)
+    assert first.exit_code == 0 and first.summary["ok"] == n // 2, first.summary
+    with _Sampler() as resume_mem:
+        t1 = time.perf_counter()
+        again = run_job(half.model_copy(update={"limit": None, "resume": True}), stream=io.StringIO(),
+                        worker=NullWorker)
+        resume_s = time.perf_counter() - t1
+    assert again.exit_code == 0 and again.summary["skipped"] == n // 2 and again.summary["job_ok"] == n, again.summary
+    assert again.summary["ok"] == n - n // 2, again.summary
+    resume = {"resume_s": resume_s, "resume_start_s": again.summary["job_wall_time_s"] - again.summary["wall_time_s"],
+              "resume_rss_mb": resume_mem.rss / 2**20, "resume_rows_per_s": again.summary["images_per_second"]}
+    return got | resume
 
 
 def plot(jsonl: str, chart: str) -> None:
-    """Log-log panels of each figure against the prompt count, one line per store."""
+    """Log-log panels of each figure against the prompt count, one line per store and code tag
+    (a colour per store; dashed: code=before)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     runs = [json.loads(line) for line in Path(jsonl).read_text().splitlines() if line.strip()]
-    panels = [("rows_per_s", "rows/s (pool)"), ("start_s", "start-up s"), ("driver_rss_mb", "driver RSS MB"),
-              ("resume_start_s", "resume start-up s")]
+    panels = [("rows_per_s", "rows/s (pool)"), ("start_s", "job - pool s (start-up + end)"),
+              ("driver_rss_mb", "driver RSS MB"), ("resume_start_s", "resume start-up s")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
+    lines = sorted({(r["store"], r.get("code", "")) for r in runs})
     for ax, (key, title) in zip(axes, panels):
-        for store in sorted({r["store"] for r in runs}):
-            pts = sorted((r["rows"], r[key]) for r in runs if r["store"] == store and r.get(key))
+        for store, code in lines:
+            pts = sorted((r["rows"], r[key]) for r in runs
+                         if (r["store"], r.get("code", "")) == (store, code) and r.get(key))
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=store)
+                ax.plot(*zip(*pts), marker="o", linestyle="--" if code == "before" else "-",
+                        color="C0" if store == "local" else "C1", label=f"{store} {code}".strip())
         ax.set(xscale="log", yscale="log", title=title, xlabel="prompts")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend()
@@ -177,10 +206,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = CliParser("python -m jobs.scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="10000,100000", help="comma-separated prompt counts")
     p.add_argument("--actors", type=int, default=2)
+    p.add_argument("--window", type=int, help="the full run does only the first WINDOW prompts of each size's file "
+                   "(start-up over all of them, rows/s over a steady window); the half run and resume stay whole")
+    p.add_argument("--rows-per-file", type=int, help="write each prompt set as files of this many rows (default: one file)")
     p.add_argument("--images", action="store_true", help="store a constant 1x1 PNG per prompt")
     p.add_argument("--s3", metavar="ENDPOINT", help="write to this S3-compatible endpoint (bucket 'scale'); "
                    "'moto' starts a loopback server in this process")
     p.add_argument("--json", help="append one JSON line per size here")
+    p.add_argument("--code", default="", help="a tag written into each JSON line (e.g. before / after a change)")
     p.add_argument("--plot", metavar="JSONL", help="only draw the log-log figure of these JSON lines (to --chart)")
     p.add_argument("--chart", default="docs/img/scale.png", help="where --plot writes the figure")
     args = p.parse_args(argv)
@@ -208,8 +241,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         storage, output = {"endpoint_url": endpoint}, "s3://scale/run"
     try:
         for n in [int(x) for x in args.rows.split(",")]:
-            got = run_size(n, root, output, args.actors, args.images, storage)
+            got = run_size(n, root, output, args.actors, args.images, storage, window=args.window,
+                           per_file=args.rows_per_file)
             got["store"] = "s3" if args.s3 else "local"
+            if args.code:
+                got["code"] = args.code
             print(json.dumps(got), flush=True)
             if args.json:
                 with open(args.json, "a") as f:

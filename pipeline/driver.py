@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, TextIO
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -51,13 +52,14 @@ from pipeline.execute import JobInterrupted, PoolLost, PoolRun, execute
 from pipeline.config import DEFAULT_INPUT, ConfigError, JobConfig, packaged_input
 from pipeline.history import ConfigChanged, check_and_record, finish_record
 from pipeline.lease import Lease, LeaseHeld
-from pipeline.ledger import Ledger, compact, latest_per_prompt, read_telemetry
+from pipeline.ledger import EarlierRuns, Ledger, compact, earlier_runs, outputs_telemetry, release_arrow_memory
 from pipeline.progress import is_terminal, quiet_progress_bars
-from pipeline.prompts import PromptInputError, PromptSource, open_prompts, select_ids
-from pipeline.shards import SAMPLE_COLUMNS, finish_outputs
+from pipeline.idset import IdSet, id_hashes
+from pipeline.prompts import PromptInputError, PromptSource, open_prompts, select
+from pipeline.shards import finish_outputs
 from pipeline.retry import StorageUnavailable
 from pipeline.storage import Storage, is_remote, open_storage, parse_uri
-from pipeline.summary import format_summary, report_args, summarize
+from pipeline.summary import format_summary, report_args
 from pipeline.telemetry import STATUS_OK, TELEMETRY_DIR
 from pipeline.worker import GeneratorWorker
 
@@ -176,8 +178,9 @@ class _Run:
     worker: type
     t_job: float  # perf_counter at the start of the job
     resumed: bool = False  # the output already held telemetry
-    earlier: Optional[pa.Table] = None  # rows of earlier runs (RESULT_COLUMNS), on resume
-    todo: list[str] = field(default_factory=list)  # prompt ids this run generates
+    earlier: Optional[EarlierRuns] = None  # what earlier runs did (counts), on resume
+    todo: IdSet = field(default_factory=lambda: IdSet(np.zeros(0, np.uint64), 0))  # prompts this run generates
+    everything: bool = False  # todo is every input prompt
     skipped: int = 0  # selected ids already done
     ledger: Optional[Ledger] = None
     plan: Optional[ActorPlan] = None
@@ -188,9 +191,6 @@ class _Run:
     @property
     def wanted(self) -> int:
         return len(self.todo) + self.skipped
-
-
-RESULT_COLUMNS = ["prompt_id", "status", "finished_at"]
 
 
 def _run(cfg: JobConfig, stream: TextIO, signals: _Signals, worker: type) -> JobResult:
@@ -252,12 +252,19 @@ def _select(run: _Run) -> None:
         raise JobRefused(str(e)) from None
     if earlier_hash:
         run.say(f"WARNING: resuming a job made with config {earlier_hash}; new rows get config {cfg.config_hash()}")
-    run.earlier = read_telemetry(output, columns=RESULT_COLUMNS) if cfg.resume else None
-    done = set(run.earlier.filter(pc.equal(run.earlier["status"], STATUS_OK))["prompt_id"].to_pylist()) \
-        if run.earlier else set()
-    run.todo, run.skipped = select_ids(run.source, cfg.limit, done)
+    run.earlier, ids = earlier_runs(output, cfg.resume)
+    sel = select(run.source, cfg.limit, ids[0] if ids else None)
+    run.todo, run.skipped, run.everything = sel.todo, sel.skipped, sel.everything
+    if ids is not None and len(ids[1]):  # failed before: which of them this run retries
+        failed = ids[1].filter(pc.is_in(ids[1], value_set=run.source.ids))
+        pos = run.todo.positions(id_hashes(failed, run.todo.salt))
+        run.earlier.retried = np.zeros(len(run.todo), dtype=bool)
+        run.earlier.retried[pos[pos >= 0]] = True
+    del ids
+    run.source.release()  # the selection is made: no per-prompt array of the input stays in the driver
+    release_arrow_memory()
     run.ledger = Ledger(output, run.run_id, cfg.ledger_flush_rows)
-    run.say(f"job {cfg.job_id} (config {cfg.config_hash()}, run {run.run_id}): {len(run.source.ids)} prompt(s) in "
+    run.say(f"job {cfg.job_id} (config {cfg.config_hash()}, run {run.run_id}): {run.source.count} prompt(s) in "
             f"{run.source.uri}, {run.wanted} selected, {run.skipped} already done, output {output.uri}")
 
 
@@ -274,7 +281,7 @@ def _generate(run: _Run) -> None:
         t_exec = time.perf_counter()
         bar = run.stream if run.say.terminal else None
         pool = PoolRun(run.cfg, run.source, run.todo, run.ledger, run.say, run.run_id, bar, run.worker, run.pool,
-                       run.signals.interrupt)
+                       run.signals.interrupt, run.everything)
         run.plan = execute(pool)
     except (JobInterrupted, StorageUnavailable, PoolLost) as e:
         run.stopped = e
@@ -297,9 +304,9 @@ def _finish_outputs(run: _Run) -> None:
     try:
         run.ledger.flush()
         compact(output, cfg.telemetry_rows_per_file)
+        release_arrow_memory()
         if not isinstance(run.stopped, StorageUnavailable):
-            cols_out = list(dict.fromkeys(RESULT_COLUMNS + ["image_key"] + SAMPLE_COLUMNS))
-            done = finish_outputs(output, cfg.output_format, read_telemetry(output, columns=cols_out))
+            done = finish_outputs(output, cfg.output_format, outputs_telemetry(output, cfg.output_format))
             if done.get("rewritten") or done.get("deleted"):
                 run.say(f"shards: {done['rewritten']} rewritten, {done['deleted']} deleted (images of rows that "
                         f"were not durable, now in another shard)")
@@ -310,20 +317,21 @@ def _finish_outputs(run: _Run) -> None:
 def _summarize(run: _Run) -> tuple[dict[str, Any], int]:
     """This run's summary (summary.json) and the job's exit code."""
     cfg = run.cfg
-    summary = summarize(run.ledger.rows(), wall_time_s=run.exec_s, skipped=run.skipped, total_input=run.wanted,
-                        in_flight=cfg.decode.batch_size)
+    summary = run.ledger.summary(wall_time_s=run.exec_s, skipped=run.skipped, total_input=run.wanted,
+                                 in_flight=cfg.decode.batch_size)
     summary["job_wall_time_s"] = time.perf_counter() - run.t_job
-    mine = run.ledger.rows().select(RESULT_COLUMNS)
-    everything = pa.concat_tables([run.earlier.select(RESULT_COLUMNS).cast(mine.schema), mine]) \
-        if run.earlier is not None else mine
-    statuses = latest_per_prompt(everything)["status"].to_pylist()
+    first = run.ledger.first_row_at
+    summary["first_row_s"] = None if first is None else first - run.t_job  # job start to the first row back
+    tally, before = run.ledger.tally, run.earlier or EarlierRuns()
+    redone = int((run.todo.seen & before.retried).sum()) if before.retried is not None else 0
+    job_ok, job_failed = before.ok + tally.ok, before.failed - redone + tally.failed
     code = _exit_code(cfg, summary, run.stopped)
     plan = run.plan
     summary.update(
         job_id=cfg.job_id, run_id=run.run_id, config_hash=cfg.config_hash(), input=run.source.uri,
         output=run.output.uri, device=plan.device if plan else None, num_actors=plan.num_actors if plan else 0,
         method=cfg.decode.method, engine_batch=cfg.decode.batch_size, budget=_budget(cfg),
-        job_ok=statuses.count("ok"), job_failed=statuses.count("failed"), durable_rows=run.ledger.rows_written, ledger_parts=run.ledger.seq,
+        job_ok=job_ok, job_failed=job_failed, durable_rows=run.ledger.rows_written, ledger_parts=run.ledger.seq,
         status={EXIT_INTERRUPTED: "interrupted", EXIT_STORAGE_UNAVAILABLE: "storage unavailable",
                 EXIT_NO_RESOURCES: "cluster lost"}.get(code, "done"),
         exit_code=code, error=str(run.stopped) if run.stopped else None,

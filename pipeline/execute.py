@@ -1,10 +1,13 @@
 """Running the actor pool: the Ray Data plan of one run, rows handed to the ledger as images
 finish.
 
-    read_parquet(prompts) -> keep the selected ids -> repartition so every actor gets work
-    -> materialize -> map_batches(GeneratorWorker, ActorPoolStrategy(min, max), GPUs or CPU
-    shares per actor) -> iter_batches -> unpack -> RowSink (ledger + progress)
+    read_parquet(prompts) -> keep the selected ids (keep_hashes) -> repartition so every actor
+    gets work -> map_batches(GeneratorWorker, ActorPoolStrategy(min, max), GPUs or CPU shares
+    per actor) -> iter_batches -> unpack -> RowSink (ledger + progress)
     -> prompts without a row (a batch Ray retried after its actor or node died) run again
+
+All of it streams: the selected prompts are never materialized, the driver holds them as an
+IdSet (pipeline.idset: 9 bytes a prompt) put once in the object store for the read's filter.
 
 Every prompt gets exactly one row: the sink drops repeats, and after the pool ends the
 prompts with no row are run again in a new pool (up to REDO_PASSES passes; what still has
@@ -15,10 +18,10 @@ delivered; chunks are cut by time as images finish, so positions do not match pr
 A `PoolWatch` stops the job (exit 3) when no live node can host an actor for
 node_lost_wait_s.
 
-The prompts are read (and materialized: a few hundred bytes per prompt in the object store)
-before the actors start, because the generation stage runs under a 1-byte block-size target:
-each chunk a worker yields is handed on at once instead of being held until Ray Data's
-default 128 MiB block fills, and that target would split the prompt read into one-row blocks.
+The generation stage runs under a 1-byte block-size target, so each chunk a worker yields is
+handed on at once instead of being held until Ray Data's default 128 MiB block fills; the
+prompt read and repartition keep the default target (pipeline.blocks: a per-operator
+override, so the read is not split into one-row blocks and nothing has to be materialized).
 The prompt files go through Ray Data's V1 Parquet reader (`_read_prompt_files`).
 """
 
@@ -40,14 +43,16 @@ from pipeline.config import JobConfig
 from pipeline.ledger import Ledger
 from pipeline.progress import Progress, quiet_ray_data
 from pipeline.progress_sink import RowSink
-from pipeline.prompts import PromptSource, keep_ids
+from pipeline.blocks import stream_chunks
+from pipeline.idset import IdSet, keep_hashes
+from pipeline.prompts import PromptSource, ids_in
 from pipeline.retry import StorageUnavailable, is_transient
 from pipeline.storage import is_remote
 from pipeline.telemetry import RowContext, failed_row, to_table
 from pipeline.worker import GeneratorWorker, unpack
 
-STREAM_BLOCK_BYTES = 1  # generation stage: every yielded chunk is a block of its own
 REDO_PASSES = 3  # pools run over the prompts still without a row, at most
+PROMPT_TASK_CPUS = 0.25  # logical CPUs of a prompt read / filter task (I/O beside the actors)
 # Test override: actors reserve logical GPUs (num_gpus) but their engines compute on CPU
 # (a multi-node test cluster on a machine without GPUs; docs/deploy.md).
 CPU_ENGINE_ENV = "ADT_ENGINE_ON_CPU"
@@ -64,7 +69,7 @@ class PoolRun:
 
     cfg: JobConfig
     source: PromptSource
-    todo: list[str]  # prompt ids to generate, in input order
+    todo: IdSet  # the prompts to generate (the sink marks each one whose row came)
     ledger: Ledger
     say: Callable[[str], None]
     run_id: Optional[str] = None
@@ -72,6 +77,7 @@ class PoolRun:
     worker: type = GeneratorWorker  # the actor class (tests pass a subclass that injects faults)
     stats: dict = field(default_factory=dict)  # filled by execute: passes, actor restarts, duplicates dropped
     interrupt: Callable[[], None] = lambda: None  # stops the main thread (raises JobInterrupted there)
+    everything: bool = False  # todo is every input prompt: the read needs no filter
 
 
 class JobInterrupted(BaseException):
@@ -152,9 +158,8 @@ def _announce(run: PoolRun, plan: ActorPlan) -> None:
             f"(its 'worker ready' line says how long that took)")
 
 
-def _dataset(run: PoolRun, plan: ActorPlan, todo: list[str]):
-    """The Ray Data plan: the prompts `todo` (materialized) -> the generator actor pool."""
-    import ray
+def _dataset(run: PoolRun, plan: ActorPlan, todo: IdSet, everything: bool):
+    """The Ray Data plan: the prompts `todo` (streamed) -> the generator actor pool."""
     from ray.data import ActorPoolStrategy, DataContext
 
     cfg, rows = run.cfg, run.cfg.rows_per_call()
@@ -164,12 +169,18 @@ def _dataset(run: PoolRun, plan: ActorPlan, todo: list[str]):
         ctx.wait_for_min_actors_s = 1800  # fail rather than hang when actors cannot be placed
     source = run.source
     ds = _read_prompt_files(source).select_columns(source.columns)
-    if len(todo) < len(source.ids):
-        ds = ds.map_batches(keep_ids, fn_kwargs={"ids": pa.array(todo, pa.string())}, batch_format="pyarrow")
+    # The filter: the hashes travel once, in the map's transformer (Ray Data puts it in the
+    # object store); none when every prompt is selected. Ray Data fuses it with the repartition.
+    # Read and filter ask PROMPT_TASK_CPUS each: they run beside the actors, and a read held back
+    # by the pool's backpressure keeps its CPU, so with a whole CPU each the filter could never
+    # be placed on a 2-CPU node whose actors hold the rest (10^7 prompts in one file hung so).
+    ds = ds.map_batches(keep_hashes, fn_kwargs={"hashes": None if everything else todo.hashes, "salt": todo.salt},
+                        batch_format="pyarrow", batch_size=None, num_cpus=PROMPT_TASK_CPUS)
     # Small prompt files arrive as one block (one actor would get everything): split by rows.
     per_block = max(1, min(rows, math.ceil(len(todo) / (plan.pool_max * 4))))
     device = "cpu" if os.environ.get(CPU_ENGINE_ENV) == "1" else plan.device
-    prompts = ds.repartition(target_num_rows_per_block=per_block).materialize()  # read errors: see _pump
+    prompts = ds.repartition(target_num_rows_per_block=per_block)  # read errors: see _pump
+    stream_chunks(run.worker)
     ds = prompts.map_batches(
         run.worker,
         fn_constructor_kwargs={"config": cfg.model_dump(mode="json"), "device": device,
@@ -181,7 +192,6 @@ def _dataset(run: PoolRun, plan: ActorPlan, todo: list[str]):
         num_gpus=plan.num_gpus or None,
         num_cpus=plan.num_cpus,
     )
-    ds.context.target_max_block_size = STREAM_BLOCK_BYTES  # this dataset's context: the prompt read is done
     return ds
 
 
@@ -198,7 +208,7 @@ def _read_prompt_files(source: PromptSource):
     ctx = DataContext.get_current()
     saved, ctx.use_datasource_v2 = ctx.use_datasource_v2, False
     try:
-        return ray.data.read_parquet(source.paths, filesystem=source.filesystem)
+        return ray.data.read_parquet(source.paths, filesystem=source.filesystem, num_cpus=PROMPT_TASK_CPUS)
     finally:
         ctx.use_datasource_v2 = saved
 
@@ -208,19 +218,19 @@ def _pump(run: PoolRun, plan: ActorPlan) -> None:
     row (passes over the missing ones); the progress heartbeat starts before the prompts are
     read."""
     progress = Progress(len(run.todo), run.say, run.cfg.progress_interval_s, bar=run.bar)
-    sink = RowSink(run.ledger, progress)
+    sink = RowSink(run.ledger, progress, run.todo)
     watch = PoolWatch(plan, run.cfg.node_lost_wait_s, run.interrupt)
     todo, passes = run.todo, 0
     try:
         with watch, progress.foreign_output_below():
-            while todo and passes < REDO_PASSES:
+            while len(todo) and passes < REDO_PASSES:
                 if passes:
                     run.say(f"{len(todo)} prompt(s) came back without a row (a batch retried after its actor or node "
                             f"was lost): running them again (pass {passes + 1} of {REDO_PASSES})")
                 passes += 1
-                _drain(run, plan, todo, sink)
-                todo = sink.missing(todo)
-        if todo:
+                _drain(run, plan, todo, run.everything and passes == 1, sink)
+                todo = sink.missing()
+        if len(todo):
             run.say(f"ERROR: {len(todo)} prompt(s) still have no row after {REDO_PASSES} passes: recorded as failed")
             sink.put(_unreturned(run, todo))
         sink.close()
@@ -233,14 +243,14 @@ def _pump(run: PoolRun, plan: ActorPlan) -> None:
             sink.stop()  # what arrived is written
         finally:
             run.stats.update(passes=passes, duplicates_dropped=sink.duplicates,
-                             actor_restarts=actor_restarts(run.ledger.rows()["actor_id"].to_pylist()))
+                             actor_restarts=actor_restarts(run.ledger.actor_ids))
 
 
-def _drain(run: PoolRun, plan: ActorPlan, todo: list[str], sink: RowSink) -> None:
+def _drain(run: PoolRun, plan: ActorPlan, todo: IdSet, everything: bool, sink: RowSink) -> None:
     """One pool over `todo`: every chunk it yields into the sink."""
     batches = iter(())
     try:
-        batches = iter(_dataset(run, plan, todo).iter_batches(batch_size=None, batch_format="pyarrow"))
+        batches = iter(_dataset(run, plan, todo, everything).iter_batches(batch_size=None, batch_format="pyarrow"))
         for chunk in batches:
             sink.put(unpack(chunk))
     except (StorageUnavailable, JobInterrupted):
@@ -259,10 +269,10 @@ def _drain(run: PoolRun, plan: ActorPlan, todo: list[str], sink: RowSink) -> Non
             close()  # stops the pool when we leave early
 
 
-def _unreturned(run: PoolRun, ids: list[str]) -> pa.Table:
+def _unreturned(run: PoolRun, todo: IdSet) -> pa.Table:
     """Failed rows for prompts the pool never returned a row for."""
     cfg = run.cfg
     ctx = RowContext(job_id=cfg.job_id, bundle=cfg.bundle, method=cfg.decode.method, config_hash=cfg.config_hash(),
                      run_id=run.run_id, actor_id="driver", node_id="driver")
     why = f"no row came back from the actor pool in {REDO_PASSES} passes (actors or nodes lost)"
-    return to_table([failed_row(ctx, pid, None, why) for pid in ids])
+    return to_table([failed_row(ctx, pid, None, why) for pid in ids_in(run.source, todo)])

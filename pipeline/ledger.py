@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -29,6 +31,7 @@ import pyarrow.compute as pc
 
 from pipeline.retry import StorageUnavailable
 from pipeline.storage import Storage
+from pipeline.tally import RunTally
 from pipeline.telemetry import SCHEMA, STATUS_OK, TELEMETRY_DIR
 
 log = logging.getLogger(__name__)
@@ -105,8 +108,59 @@ def latest_per_prompt(table: pa.Table) -> pa.Table:
     return table.take(pa.array(np.sort(best.to_numpy())))
 
 
+RESULT_COLUMNS = ["prompt_id", "status", "finished_at"]
+
+
+@dataclass
+class EarlierRuns:
+    """The job's earlier runs, as counts: prompts with an ok row, prompts whose latest row
+    failed, and which of this run's prompts are such failures (retried now)."""
+
+    ok: int = 0
+    failed: int = 0
+    retried: Optional[np.ndarray] = None  # bool per todo member (IdSet order): failed earlier
+
+
+def earlier_runs(output: Storage, resume: bool) -> tuple[EarlierRuns, Optional[tuple[pa.Array, pa.Array]]]:
+    """(the earlier runs' counts, (ids done: an ok row, ids whose latest row failed)), from the
+    job's telemetry (Arrow only: no Python string a row); nothing unless resuming."""
+    table = read_telemetry(output, columns=RESULT_COLUMNS) if resume else None
+    if table is None:
+        return EarlierRuns(), None
+    latest = latest_per_prompt(table)
+    ok = pc.fill_null(pc.equal(latest["status"], STATUS_OK), False)
+    done = latest["prompt_id"].filter(ok).combine_chunks()
+    failed = latest["prompt_id"].filter(pc.invert(ok)).combine_chunks()
+    return EarlierRuns(ok=len(done), failed=len(failed)), (done, failed)
+
+
+def _sample_columns() -> list[str]:
+    from pipeline.shards import SAMPLE_COLUMNS
+
+    return SAMPLE_COLUMNS
+
+
+def outputs_telemetry(output: Storage, fmt: str) -> Optional[pa.Table]:
+    """The telemetry finish_outputs needs: for `files`, the wide columns only when some ok row
+    names an image (a job without one writes no metadata: nothing wide is read)."""
+    narrow = list(dict.fromkeys(RESULT_COLUMNS + ["image_key"]))
+    if fmt != "files":
+        return read_telemetry(output, columns=narrow)
+    keys = read_telemetry(output, columns=["status", "image_key"])
+    if keys is None or not pc.any(pc.and_(pc.equal(keys["status"], STATUS_OK), pc.is_valid(keys["image_key"]))).as_py():
+        return None
+    del keys
+    return read_telemetry(output, columns=list(dict.fromkeys(narrow + _sample_columns())))
+
+
 # ----------------------------------------------------------------------------------------
 # Writing
+
+
+def release_arrow_memory() -> None:
+    """Give the Arrow pool's freed pages back to the OS (mimalloc keeps them otherwise: the
+    driver's RSS would stay at the peak of a selection or a compaction)."""
+    pa.default_memory_pool().release_unused()
 
 
 def _conform(table: pa.Table) -> pa.Table:
@@ -117,24 +171,28 @@ def _conform(table: pa.Table) -> pa.Table:
 
 
 class Ledger:
-    """This run's telemetry: parts written as batches arrive, the summary columns kept."""
+    """This run's telemetry: parts written as batches arrive; counted in a `RunTally` (exact
+    counters and a bounded sample of the summary columns, not every row)."""
 
     def __init__(self, output: Storage, run_id: str, flush_rows: int = 1):
         self.output = output
         self.run_id = run_id
         self.flush_rows = flush_rows
         self._pending: list[pa.Table] = []
-        self._kept: list[pa.Table] = []
+        self.tally = RunTally()
         self.seq = 0
         self.rows_written = 0
+        self.first_row_at: Optional[float] = None  # perf_counter when the first row arrived
 
     def add(self, table: pa.Table) -> None:
         """Take one batch of rows; writes a part once `flush_rows` rows are waiting."""
         if table.num_rows == 0:
             return
         table = _conform(table)
+        if self.first_row_at is None:
+            self.first_row_at = time.perf_counter()
         self._pending.append(table)
-        self._kept.append(table.select(SUMMARY_COLUMNS))
+        self.tally.add(table.select(SUMMARY_COLUMNS))
         if sum(t.num_rows for t in self._pending) >= self.flush_rows:
             self.flush()
 
@@ -150,13 +208,22 @@ class Ledger:
 
     @property
     def rows_received(self) -> int:
-        return sum(t.num_rows for t in self._kept)
+        return self.tally.rows
+
+    @property
+    def actor_ids(self) -> list[str]:
+        """Every actor id this run's rows name."""
+        return sorted(a for a in self.tally.actors if a)
 
     def rows(self) -> pa.Table:
-        """Every row this run received (summary columns only)."""
-        if not self._kept:
-            return SCHEMA.empty_table().select(SUMMARY_COLUMNS)
-        return pa.concat_tables(self._kept)
+        """The rows this run received (summary columns): every one up to tally.SAMPLE_ROWS, a
+        uniform sample past that (RunTally)."""
+        sample = self.tally.sample()
+        return SCHEMA.empty_table().select(SUMMARY_COLUMNS) if sample is None else sample
+
+    def summary(self, **kw) -> dict:
+        """summary.json's figures of this run's rows (RunTally.summary)."""
+        return self.tally.summary(SCHEMA.empty_table().select(SUMMARY_COLUMNS), **kw)
 
 
 def compact(output: Storage, rows_per_file: int = 100_000) -> int:
@@ -170,19 +237,31 @@ def compact(output: Storage, rows_per_file: int = 100_000) -> int:
     merged = 0
     for run, keys in sorted(parts.items()):
         keys.sort()
-        tables = []
+        tag = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:8]
+        buffered: list[pa.Table] = []
+        files = 0
+
+        def write(table: pa.Table) -> None:
+            nonlocal files
+            output.write_parquet(f"{TELEMETRY_DIR}/{run}_c{tag}_{files:03d}.parquet", table)
+            files += 1
+
         for key in keys:
             try:
-                tables.append(_conform(output.read_parquet(key)))
+                buffered.append(_conform(output.read_parquet(key)))
             except StorageUnavailable:
                 raise
             except Exception as e:  # noqa: BLE001 - a damaged part: its prompts are redone
                 log.warning("dropping unreadable telemetry part %s: %s", output.uri_for(key), e)
-        tag = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:8]
-        if tables:
-            table = pa.concat_tables(tables)
-            for i, start in enumerate(range(0, table.num_rows, rows_per_file)):
-                output.write_parquet(f"{TELEMETRY_DIR}/{run}_c{tag}_{i:03d}.parquet", table.slice(start, rows_per_file))
+                continue
+            if sum(t.num_rows for t in buffered) >= rows_per_file:
+                table = pa.concat_tables(buffered)
+                full = table.num_rows // rows_per_file * rows_per_file
+                for start in range(0, full, rows_per_file):
+                    write(table.slice(start, rows_per_file))
+                buffered = [table.slice(full)] if full < table.num_rows else []
+        if sum(t.num_rows for t in buffered):
+            write(pa.concat_tables(buffered))
         for key in keys:
             output.delete(key)
         merged += len(keys)

@@ -12,7 +12,9 @@ run are dropped (`duplicates` counts them). They come from a batch that Ray retr
 its actor died mid-batch: the retry re-runs the whole batch, and Ray hands on only the
 chunks past the ones the first attempt already delivered (it matches them by position, not
 by content), so the retry's chunks can repeat rows as well as miss some. The driver runs
-the missing ones again (pipeline.execute); `seen` says which came back.
+the missing ones again (pipeline.execute); `missing` says which did not come back. The
+seen-set is the run's `IdSet` (pipeline.idset: a sorted uint64 hash and a bool a prompt,
+~9 bytes, not a Python string), so the driver's memory does not grow by a string a row.
 
 Shape of the hand-off: `put` blocks while QUEUE_CHUNKS chunks wait (backpressure on Ray
 Data, as when the main thread wrote itself); a write that fails (StorageUnavailable) stops
@@ -29,6 +31,7 @@ from typing import Optional
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.idset import IdSet
 from pipeline.ledger import Ledger
 from pipeline.progress import Progress
 
@@ -41,12 +44,14 @@ _STOP = object()
 class RowSink:
     """A thread that writes arriving row tables to `ledger` and counts them in `progress`."""
 
-    def __init__(self, ledger: Ledger, progress: Progress, write_gap_s: float = WRITE_GAP_S, tick_s: float = TICK_S):
+    def __init__(self, ledger: Ledger, progress: Progress, ids: Optional[IdSet] = None,
+                 write_gap_s: float = WRITE_GAP_S, tick_s: float = TICK_S):
         self.ledger, self.progress = ledger, progress
+        self.ids = ids  # the run's prompts, each marked once its row came (None: no repeats dropped)
+        self.strays = 0  # rows for prompts outside `ids` (none expected): kept, never dropped
         self.write_gap_s, self.tick_s = write_gap_s, tick_s
         self.queue: queue.Queue = queue.Queue(maxsize=QUEUE_CHUNKS)
         self.error: Optional[BaseException] = None
-        self.seen: set[str] = set()  # prompt ids with a row in this run
         self.duplicates = 0  # rows dropped: their prompt already had one
         self.thread = threading.Thread(target=self._run, name="row-sink", daemon=True)
         self.thread.start()
@@ -55,23 +60,19 @@ class RowSink:
     def put(self, table: pa.Table) -> None:
         """Hand one chunk of rows over (blocks while the queue is full); raises the sink's error.
         Rows of prompts that already have a row in this run are dropped (counted)."""
-        keep = [self._first(i) for i in table["prompt_id"].to_pylist()]
-        if not all(keep):
-            self.duplicates += len(keep) - sum(keep)
-            table = table.filter(pa.array(keep, pa.bool_()))
+        if self.ids is not None and table.num_rows:
+            member = self.ids.contains(table["prompt_id"])
+            keep = self.ids.take_first(table["prompt_id"]) | ~member
+            self.strays += int((~member).sum())
+            if not keep.all():
+                self.duplicates += int((~keep).sum())
+                table = table.filter(pa.array(keep))
         if table.num_rows:
             self._put(table)
 
-    def _first(self, prompt_id: str) -> bool:
-        """True the first time this run sees `prompt_id`'s row."""
-        if prompt_id in self.seen:
-            return False
-        self.seen.add(prompt_id)
-        return True
-
-    def missing(self, ids: list[str]) -> list[str]:
-        """The ids among `ids` that have no row yet (in their order)."""
-        return [i for i in ids if i not in self.seen]
+    def missing(self) -> IdSet:
+        """The run's prompts that have no row yet."""
+        return self.ids.missing()
 
     def close(self) -> None:
         """Write every chunk handed over and stop; raises the sink's error."""

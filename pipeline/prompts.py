@@ -24,11 +24,13 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from pipeline.idset import MAX_SALT_TRIES, IdSet, id_hashes
 from pipeline.retry import StorageUnavailable, call_with_retry, is_transient
 from pipeline.storage import Storage, open_storage
 
@@ -57,7 +59,15 @@ class PromptSource:
     filesystem: pafs.FileSystem
     paths: list[str]  # Parquet files, in read order
     columns: list[str]  # columns to read: prompt_id, prompt[, seed]
-    ids: list[str]  # every prompt id, in file order
+    ids: Optional[pa.ChunkedArray]  # every prompt id, in file order (Arrow: its bytes + 4 a prompt); None once released
+    count: int = 0  # prompts in the input
+    salt: int = 0  # the hash salt under which every id hashes apart (pipeline.idset)
+    hashes: Optional[np.ndarray] = None  # id_hashes(ids, salt), in file order; None once released
+    storage_settings: Any = None  # how the input store is reached (to read the ids again)
+
+    def release(self) -> None:
+        """Drop the per-prompt arrays (the selection is made): `ids_in` reads the ids again."""
+        self.ids, self.hashes = None, None
 
     @property
     def has_seed(self) -> bool:
@@ -118,14 +128,16 @@ def _read_file(storage: Storage, fs: pafs.FileSystem, path: str, what: str, read
                                f"({type(e).__name__}: {str(e).strip()[:300]})") from None
 
 
-def _scan_ids(storage: Storage, fs: pafs.FileSystem, path: str, columns: list[str]) -> list[Optional[str]]:
-    """Decode every page of `columns` of one file (streaming) and return its prompt ids."""
+def _scan_ids(storage: Storage, fs: pafs.FileSystem, path: str, columns: list[str]) -> list[pa.Array]:
+    """Decode every page of `columns` of one file (streaming) and return its prompt ids (Arrow
+    arrays, as read: nulls included)."""
 
-    def scan() -> list[Optional[str]]:
-        ids: list[Optional[str]] = []
+    def scan() -> list[pa.Array]:
+        ids: list[pa.Array] = []
         with fs.open_input_file(path) as f:
             for batch in pq.ParquetFile(f).iter_batches(batch_size=_SCAN_ROWS, columns=columns):
-                ids.extend(batch.column(ID_COLUMN).to_pylist())
+                col = batch.column(ID_COLUMN)
+                ids.append(col.cast(pa.string()) if not pa.types.is_string(col.type) else col)
         return ids
 
     return _read_file(storage, fs, path, "read", scan)
@@ -156,7 +168,7 @@ def open_prompts(uri: str, storage_settings: Any = None) -> PromptSource:
         raise PromptInputError("prompt input refused:\n  " + "\n  ".join(problems))
     columns = list(REQUIRED_COLUMNS) + ([SEED_COLUMN] if with_seed and all(with_seed) else [])
 
-    ids: list[str] = []
+    chunks: list[pa.Array] = []
     bad: list[str] = []
     for path in paths:
         try:
@@ -164,20 +176,47 @@ def open_prompts(uri: str, storage_settings: Any = None) -> PromptSource:
         except PromptInputError as e:
             bad.append(str(e).split("\n  ", 1)[-1])
             continue
-        n_bad = sum(1 for v in values if v is None or v.strip() == "")
+        n_bad = 0
+        for v in values:
+            blank = pc.fill_null(pc.equal(pc.utf8_trim_whitespace(v), ""), True)  # null or whitespace only
+            here = pc.sum(blank).as_py() or 0
+            n_bad += here
+            chunks.append(v.filter(pc.invert(blank)) if here else v)
         if n_bad:
             bad.append(f"{path}: {n_bad} null or empty prompt_id value(s)")
-        ids.extend(v for v in values if v is not None and v.strip() != "")
     if bad:
         raise PromptInputError("prompt input refused:\n  " + "\n  ".join(bad))
-    if not ids:
+    ids = pa.chunked_array(chunks, pa.string())
+    if not len(ids):
         raise PromptInputError(f"prompt input refused: no prompts (0 rows) in {storage.uri}")
-    dupes = [(i, n) for i, n in Counter(ids).items() if n > 1]
-    if dupes:
-        named = ", ".join(f"{i!r} x{n}" for i, n in dupes[:_MAX_NAMED])
-        more = f" and {len(dupes) - _MAX_NAMED} more" if len(dupes) > _MAX_NAMED else ""
-        raise PromptInputError(f"prompt input refused: {len(dupes)} duplicate prompt_id value(s): {named}{more}")
-    return PromptSource(uri=storage.uri, filesystem=fs, paths=paths, columns=columns, ids=ids)
+    salt, hashes = _unique_hashes(ids)
+    return PromptSource(uri=storage.uri, filesystem=fs, paths=paths, columns=columns, ids=ids, count=len(ids),
+                        salt=salt, hashes=hashes, storage_settings=storage_settings)
+
+
+def _unique_hashes(ids: pa.ChunkedArray) -> tuple[int, np.ndarray]:
+    """(salt, the ids' hashes under it) for the first salt under which no two ids hash alike
+    (pipeline.idset); ids that repeat are refused, naming them. Two ids with one hash are
+    compared as strings: equal, a duplicate; not, a collision (the next salt is tried)."""
+    for salt in range(MAX_SALT_TRIES):
+        h = id_hashes(ids, salt)
+        s = np.sort(h)
+        repeats = np.unique(s[1:][s[1:] == s[:-1]])
+        del s
+        if not len(repeats):
+            return salt, h
+        same = Counter(ids.filter(pa.array(np.isin(h, repeats))).to_pylist())
+        dupes = [(i, n) for i, n in same.items() if n > 1]
+        if dupes:
+            _refuse_duplicates(dupes)
+    raise PromptInputError(f"prompt input refused: the prompt ids collide under {MAX_SALT_TRIES} hash salts")
+
+
+def _refuse_duplicates(dupes: list[tuple[str, int]]) -> None:
+    """PromptInputError naming repeated ids."""
+    named = ", ".join(f"{i!r} x{n}" for i, n in dupes[:_MAX_NAMED])
+    more = f" and {len(dupes) - _MAX_NAMED} more" if len(dupes) > _MAX_NAMED else ""
+    raise PromptInputError(f"prompt input refused: {len(dupes)} duplicate prompt_id value(s): {named}{more}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -207,15 +246,46 @@ def derived_seed(prompt_id: str, base_seed: int) -> int:
 # Resume and selection
 
 
+@dataclass
+class Selection:
+    """The prompts a run generates, as a compact id set (pipeline.idset), and what was skipped."""
+
+    todo: IdSet  # the ids to generate (hashes under a salt unique over the whole input)
+    skipped: int  # selected ids already done
+    everything: bool  # todo is every input prompt: the prompt read needs no filter
+
+    @property
+    def wanted(self) -> int:
+        return len(self.todo) + self.skipped
+
+
+def select(source: PromptSource, limit: Optional[int], done: Optional[pa.Array] = None) -> Selection:
+    """The first `limit` prompts (all without one) less the `done` ids: Arrow and numpy only."""
+    salt = source.salt
+    n = min(limit, source.count) if limit else source.count
+    hashes = source.hashes[:n]
+    skip = 0
+    if done is not None and len(done):
+        is_done = pc.is_in(source.ids.slice(0, n), value_set=done).to_numpy(zero_copy_only=False)
+        skip = int(is_done.sum())
+        hashes = hashes[~is_done]
+    return Selection(IdSet(hashes, salt), skip, everything=len(hashes) == source.count)
+
+
 def select_ids(source: PromptSource, limit: Optional[int], done: set[str]) -> tuple[list[str], int]:
-    """(ids to generate, number skipped as already done) among the first `limit` ids."""
-    wanted = source.ids[:limit] if limit else source.ids
-    todo = [i for i in wanted if i not in done]
-    return todo, len(wanted) - len(todo)
+    """(ids to generate, number skipped as already done) among the first `limit` ids, as
+    Python lists: for small inputs and tests (`select` is what the driver uses)."""
+    sel = select(source, limit, pa.array(sorted(done), pa.string()) if done else None)
+    return ids_in(source, sel.todo), sel.skipped
 
 
-def keep_ids(batch: pa.Table, ids: pa.Array) -> pa.Table:
-    """The rows of `batch` whose prompt_id is in `ids`. The driver's Ray Data tasks run it: it
-    lives here, not in execute.py, because a task worker imports the module of the function it
-    runs, and execute.py's imports reach torch (~4 s for every fresh worker on a small machine)."""
-    return batch.filter(pc.is_in(batch["prompt_id"], value_set=ids))
+def ids_in(source: PromptSource, ids: IdSet) -> list[str]:
+    """The input ids that are members of `ids`, in input order (read again when released)."""
+    if source.ids is not None:
+        return source.ids.filter(pa.array(ids.contains(source.ids))).to_pylist()
+    storage = open_storage(source.uri, source.storage_settings)
+    out: list[str] = []
+    for path in source.paths:
+        for chunk in _scan_ids(storage, source.filesystem, path, [ID_COLUMN]):
+            out += chunk.filter(pa.array(ids.contains(chunk))).to_pylist()  # validated: no null ids
+    return out

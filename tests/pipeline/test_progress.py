@@ -246,11 +246,14 @@ def test_sink_takes_each_prompt_once_and_says_which_are_missing(tmp_path):
     from pipeline.progress_sink import RowSink
     from pipeline.storage import open_storage
 
+    from pipeline.idset import IdSet, id_hashes
+
     store = open_storage(str(tmp_path / "out"))
-    sink = RowSink(Ledger(store, "r"), Progress(4, lambda m: None, 3600))
+    every = pa.array(["a", "b", "c", "d"])
+    sink = RowSink(Ledger(store, "r"), Progress(4, lambda m: None, 3600), IdSet(id_hashes(every), 0))
     rows = lambda ids: pa.table({"prompt_id": ids, "status": ["ok"] * len(ids)})  # noqa: E731
     sink.put(rows(["a", "b"]))
     sink.put(rows(["b", "c", "c"]))
     sink.close()
-    assert sink.duplicates == 2 and sink.missing(["a", "b", "c", "d"]) == ["d"]
+    assert sink.duplicates == 2 and sink.missing().contains(every).tolist() == [False, False, False, True]
     assert sorted(read_telemetry(store, columns=["prompt_id"])["prompt_id"].to_pylist()) == ["a", "b", "c"]

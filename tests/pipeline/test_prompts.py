@@ -19,7 +19,7 @@ from pipeline_helpers import simple_rows, write_prompts
 def test_single_file(tmp_path):
     f = write_prompts(tmp_path / "p.parquet", simple_rows(5))
     src = open_prompts(str(f))
-    assert src.ids == [f"p{i:03d}" for i in range(5)]
+    assert src.ids.to_pylist() == [f"p{i:03d}" for i in range(5)]
     assert src.columns == ["prompt_id", "prompt", "seed"] and src.has_seed
 
 
@@ -29,7 +29,7 @@ def test_folder_of_files_ignores_hidden_and_markers(tmp_path):
     (tmp_path / "in" / "_SUCCESS").write_text("")
     (tmp_path / "in" / ".hidden.parquet").write_text("junk")
     src = open_prompts(str(tmp_path / "in"))
-    assert len(src.paths) == 2 and sorted(src.ids) == ["p000", "p001", "p002", "p003"]
+    assert len(src.paths) == 2 and sorted(src.ids.to_pylist()) == ["p000", "p001", "p002", "p003"]
 
 
 def test_seed_column_optional(tmp_path):
