@@ -48,7 +48,7 @@ from adt_core.round.prefill import prefill_rows
 from adt_core.round.sampler import Sampler
 from adt_core.round.sampling import cfg_mix
 from adt_core.round.state import CandidateBatch, RoundOutcome, RoundPlan, Slots, TreeBatch, Verified
-from adt_core.round.tree import chain_flags, lifted_scores, rerank_batch
+from adt_core.round.tree import rerank_batch
 from adt_core.round.verify import Relaxation, follow_batch, verify_coupled, verify_greedy, verify_stochastic
 
 HOLD = 0.01  # idle batch a split wave may spend waiting to refill together, as a share of an image's rounds
@@ -308,11 +308,7 @@ class BatchDecoder:
         noise = setup.sampler.noise(s.seeds, s.count, plan.levels + 1)  # (C, D + 1, V) or None
         pool = self.drafter.propose(plan, s, noise, self._static(plan.levels))
         t1 = setup.timer.mark()
-        chain = chain_flags(pool, plan.levels)  # (C, P) on the drafter's greedy path
-        value = None if plan.lift is None else lifted_scores(pool, chain, torch.from_numpy(plan.lift).to(dev),
-                                                             plan.levels)
-        tree = rerank_batch(pool, plan.nodes, torch.from_numpy(plan.budget).to(dev), s.roots(), plan.levels,
-                            value, chain)
+        tree = rerank_batch(pool, plan.nodes, torch.from_numpy(plan.budget).to(dev), s.roots(), plan.levels)
         start = self.cache.host.copy()
         pos = self.seq_pos((s.count - 1)[:, None] + tree.depths)  # (R, 1 + M)
         eol = self.forced.roots(self.slots) if self.forced is not None else None
@@ -328,7 +324,7 @@ class BatchDecoder:
         active_t = torch.from_numpy(active).to(dev)
         ver = self._verify(tree, mixed, noise, plan.levels, active)
         counts = torch.where(active_t, ver.accepted + 1, 0)
-        out = self._read(ver, tree, pool, value, active_t, plan.levels)  # the one host read
+        out = self._read(ver, tree, pool, active_t, plan.levels)  # the one host read
         grow = np.where(active, out.accepted + 1, 0)
         if eol is None:
             self.cache.keep_rows(start, self.rows(ver.path), self.host_rows(grow))
@@ -354,39 +350,32 @@ class BatchDecoder:
             self._static_levels[levels] = StaticLevels.build(self.static, levels, self.s.device)
         return self._static_levels[levels]
 
-    def _read(self, ver: Verified, tree: TreeBatch, pool: CandidateBatch, value: torch.Tensor | None,
-              active: torch.Tensor, levels: int) -> RoundOutcome:
+    def _read(self, ver: Verified, tree: TreeBatch, pool: CandidateBatch, active: torch.Tensor,
+              levels: int) -> RoundOutcome:
         """Everything the host needs from this round, in one device -> host copy."""
-        c, n = self.capacity, levels + 1
+        c = self.capacity
         live = tree.valid & (tree.depths > 0) & active[:, None]  # (C, 1 + M) drafted nodes of active slots
         conf = torch.where(live, tree.scores.double().exp(), 0.0)
-        on = tree.chain.long()  # (C, 1 + M) 1: on the greedy path
-        level_conf = torch.zeros(2 * n, dtype=torch.float64, device=conf.device)
-        level_conf.scatter_add_(0, (on * n + tree.depths).flatten(), conf.flatten())
-        j = torch.arange(n, device=conf.device)
-        hit = (j[None] >= 1) & (j[None] <= ver.accepted[:, None]) & active[:, None]  # (C, D + 1) accepted depths
-        path_on = on.gather(1, ver.path)  # (C, D + 1)
-        level_hits = torch.zeros(2 * n, dtype=torch.float64, device=conf.device)
-        level_hits.scatter_add_(0, (path_on * n + j[None]).flatten(), hit.double().flatten())
-        curves = self._curves(pool, pool.scores.double() if value is None else value, active, levels)
+        level_conf = torch.zeros(levels + 1, dtype=torch.float64, device=conf.device)
+        level_conf.scatter_add_(0, tree.depths.flatten(), conf.flatten())
+        curves = self._curves(pool, active, levels)
         depth = torch.where(tree.valid, tree.depths, 0).max(1).values
         nodes = live.sum(1)
-        flat = torch.cat([ver.accepted.double(), depth.double(), nodes.double(), level_conf, level_hits,
-                          curves.flatten()]).cpu().numpy()
-        i = np.cumsum([0, c, c, c, 2 * n, 2 * n])
+        flat = torch.cat([ver.accepted.double(), depth.double(), nodes.double(), level_conf, curves.flatten()])
+        flat = flat.cpu().numpy()
+        i = np.cumsum([0, c, c, c, levels + 1])
         ints = lambda x: x.astype(np.int64)  # noqa: E731
-        return RoundOutcome(ints(flat[i[0]:i[1]]), ints(flat[i[1]:i[2]]), ints(flat[i[2]:i[3]]),
-                            flat[i[3]:i[4]].reshape(2, n), flat[i[4]:i[5]].reshape(2, n),
-                            flat[i[5]:].reshape(levels, self.curve_len))
+        return RoundOutcome(ints(flat[i[0]:i[1]]), ints(flat[i[1]:i[2]]), ints(flat[i[2]:i[3]]), flat[i[3]:i[4]],
+                            flat[i[4]:].reshape(levels, self.curve_len))
 
-    def _curves(self, pool: CandidateBatch, value: torch.Tensor, active: torch.Tensor, levels: int) -> torch.Tensor:
-        """(D, n_max + 1): row j - 1, column m = the summed value (exp: a path confidence, or its
-        calibrated acceptance) of each active slot's m best candidates of depth <= j (the expected
-        tokens of a tree of j levels and m nodes, EAGLE-2's expectation), summed over the slots."""
+    def _curves(self, pool: CandidateBatch, active: torch.Tensor, levels: int) -> torch.Tensor:
+        """(D, n_max + 1): row j - 1, column m = the summed path confidence of each active slot's
+        m best candidates of depth <= j (the expected tokens of a tree of j levels and m nodes,
+        EAGLE-2's expectation), summed over the slots."""
         m = min(self.curve_len - 1, pool.scores.shape[1])
         cap = torch.arange(1, levels + 1, device=pool.depths.device)[:, None, None]  # (D, 1, 1)
         ok = (pool.valid & active[:, None])[None] & (pool.depths[None] <= cap)  # (D, C, P)
-        best = torch.topk(torch.where(ok, value[None], float("-inf")), m, dim=2).values
+        best = torch.topk(torch.where(ok, pool.scores.double()[None], float("-inf")), m, dim=2).values
         curve = best.exp().cumsum(2).sum(1)  # (D, m)
         zero = torch.zeros(levels, 1, dtype=torch.float64, device=curve.device)
         return torch.cat([zero, curve, curve[:, -1:].expand(levels, self.curve_len - 1 - m)], 1)

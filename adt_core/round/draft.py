@@ -257,7 +257,7 @@ class BatchDrafter:
             pool.append(block)
         self.cache.truncate(start)
         out = CandidateBatch(*(torch.cat([getattr(b, f) for b in pool], 1)
-                               for f in ("tokens", "parents", "depths", "scores", "valid", "first")))
+                               for f in ("tokens", "parents", "depths", "scores", "valid")))
         out.valid &= out.depths <= depth[:, None]  # a slot's levels past its own depth
         return out
 
@@ -314,7 +314,6 @@ def _children(sel: torch.Tensor, score: torch.Tensor, parent_score: torch.Tensor
         depths=torch.full((c, f * kc), d, dtype=torch.long, device=sel.device),
         scores=(parent_score[..., None] + score.gather(-1, top.indices)).reshape(c, f * kc),
         valid=valid.expand(c, f, kc).reshape(c, f * kc),
-        first=(r == 0).expand(c, f, kc).reshape(c, f * kc),
     )
 
 

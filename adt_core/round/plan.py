@@ -16,10 +16,9 @@ reported (`RoundOutcome`, read back once per round), so planning never waits for
 - `adt` (budget "cost", the default): the slots' (d, k) as above, and
   1. whether to draft at all: `BatchBudget`'s measured rates (adt_core/round/budget.py);
   2. levels D and kept nodes M together: the pair maximising (A + expected accepted tokens) /
-     (verify(A (1 + M)) + D x draft-level ms), expected tokens = the summed calibrated values of
+     (verify(A (1 + M)) + D x draft-level ms), expected tokens = the summed path confidences of
      each slot's M best candidates no deeper than D (learned per depth as each level's smoothed
-     gain); a value is a path confidence times its cell's lift (accepted per unit of confidence,
-     on / off the drafter's greedy path x depth), and the round keeps its nodes by that value;
+     gain), calibrated by the tokens kept nodes actually committed;
   3. one level past the chosen depth is tried when it is the deepest learned (and every EXPLORE
      drafted rounds), so depth grows where levels pay; each slot's depth is min(its d, D);
   4. a plan the model rates clearly below a plain step (VETO) is not run, except as the guard's
@@ -184,11 +183,10 @@ class CostPlanner(ShapePlanner):
     """ADT-Tree sized by this device's measured costs (budget "cost").
 
     Levels D and kept nodes M are chosen together, per round, as the pair with the most expected
-    tokens per ms: (A + A x curve_D[M]) / (cost(A (1 + M)) + D x level ms), where curve_D[M] is
-    the per-slot summed calibrated value of the M best candidates of depth <= D (EAGLE-2's
-    expected accepted tokens, each path confidence times the lift of its cell: accepted per unit
-    of kept confidence, on / off the greedy path x depth), learned per depth from the drafted
-    rounds' pools (smoothed). The plan carries the lift, so the round keeps nodes by it too.
+    tokens per ms: (A + cal x A x curve_D[M]) / (cost(A (1 + M)) + D x level ms), where curve_D[M]
+    is the per-slot summed path confidence of the M best candidates of depth <= D (EAGLE-2's
+    expected accepted tokens), learned per depth from the drafted rounds' pools (smoothed), and
+    cal the ratio of the tokens rounds committed to what their kept nodes' confidences promised.
     A depth never drafted is tried one level past the deepest that won (and again every EXPLORE
     drafted rounds), so the tree grows where levels pay. Each slot's own depth and width stay the
     ADT-Tree controller's (adjacency init, bisection), capped by D."""
@@ -204,10 +202,8 @@ class CostPlanner(ShapePlanner):
         self.cpu = cpu
         self._c0 = 0.0
         self.guard = BatchBudget(costs, cfg)
-        # (2, d_max + 2) decayed sums of accepted kept nodes and of their confidence, [off, on] the
-        # drafter's greedy path x depth
-        self.hits = np.zeros((2, cfg.d_max + 2))
-        self.conf = np.zeros((2, cfg.d_max + 2))
+        self.hits = np.zeros(cfg.d_max + 2)  # (d_max + 2,) decayed sum of slots accepting depth j
+        self.conf = np.zeros(cfg.d_max + 2)  # (d_max + 2,) decayed sum of kept-node confidence at depth j
         self.curves: dict[int, np.ndarray] = {}  # depth D -> (n_max + 1,) expected accepted tokens per slot, m nodes
         self.gains: dict[int, np.ndarray] = {}  # depth j -> (n_max + 1,) smoothed gain of level j over depth j - 1
         self.level_ms: float | None = None  # measured draft ms per level
@@ -256,7 +252,7 @@ class CostPlanner(ShapePlanner):
         k = np.minimum(k, width)
         if rate < VETO * a / self.costs.cost(self.capacity) and not self.guard.probing(a):
             return None  # the model expects a clear loss: a plain step (the guard still probes now and then)
-        return RoundPlan(int(d.max()), width, m, d, k, np.where(d > 0, m, 0), np.log(self.calibration()))
+        return RoundPlan(int(d.max()), width, m, d, k, np.where(d > 0, m, 0))
 
     def _prior_rate(self, levels: int, nodes: int, width: int) -> float:
         """Modelled tokens per ms of a full batch before any drafted round: a chain-like tree whose
@@ -291,12 +287,14 @@ class CostPlanner(ShapePlanner):
         return d, m, rate
 
     def _rates(self, a: int, width: int):
-        """(D, M, modelled tokens per ms) of every learned depth and node bucket, `a` slots (the
-        curves are in calibrated units: the rounds rank their pools by calibrated value)."""
+        """(D, M, modelled tokens per ms) of every learned depth and node bucket, `a` slots."""
+        cal = self.calibration()
+        below = expected_at = 0.0  # curve of depth d - 1; (n_max + 1,) calibrated tokens of depth <= d
         for d, curve in sorted(self.curves.items()):
+            expected_at, below = expected_at + cal[d] * (curve - below), curve
             draft = d * self._level_cost(a, width)
             for m in self._widths(d, width):
-                expected = a * curve[min(m, len(curve) - 1)]
+                expected = a * expected_at[min(m, len(expected_at) - 1)]
                 yield d, m, (a + expected) / (self.costs.cost(self.capacity * (1 + m)) + draft)
 
     def ceiling(self) -> tuple[int, int, float]:
@@ -323,29 +321,27 @@ class CostPlanner(ShapePlanner):
         self.level_ms = per_level if self.level_ms is None else self.level_ms + EMA * (per_level - self.level_ms)
 
     def _learn_acceptance(self, outcome: RoundOutcome, slots: int) -> None:
-        n = min(outcome.level_conf.shape[1], self.hits.shape[1])
-        hits, conf = np.zeros_like(self.hits), np.zeros_like(self.conf)
-        hits[:, :n], conf[:, :n] = outcome.level_hits[:, :n], outcome.level_conf[:, :n]
-        kept = conf > 0  # cells with kept nodes this round: only they are evidence
+        levels = np.arange(1, len(outcome.level_conf))
+        hits = np.zeros_like(self.hits)
+        hits[levels] = (outcome.accepted[:, None] >= levels[None]).sum(0)  # slots that accepted depth j
+        conf = np.zeros_like(self.conf)
+        conf[levels] = outcome.level_conf[1:]
+        kept = conf > 0  # depths with kept nodes this round: only they are evidence
         self.hits = np.where(kept, (1 - CAL_DECAY) * self.hits + hits, self.hits)
         self.conf = np.where(kept, (1 - CAL_DECAY) * self.conf + conf, self.conf)
         self._learn_curves(outcome.curve / max(slots, 1))
 
     def calibration(self) -> np.ndarray:
-        """(2, d_max + 2): accepted nodes per unit of kept-node confidence, [off, on] the drafter's
-        greedy path x depth. A drafter's confidence is not its acceptance: a target accepts the
-        drafter's own first choices far above their confidence (more so deeper, as path
-        confidences multiply) and their siblings near or below it, so one factor would rank
-        siblings above a deeper greedy path and undersize deep trees. Each cell's ratio is shrunk
-        towards the shallower depth's of its kind by CAL_PRIOR of pseudo-confidence: one unlucky
-        round cannot zero a depth (its nodes would then never be kept again to show otherwise),
-        and a depth not yet measured takes the shallower ratio."""
-        cal = np.ones_like(self.hits)
-        for kind in (0, 1):
-            prev = 1.0
-            for j in range(1, cal.shape[1]):
-                prev = (self.hits[kind, j] + CAL_PRIOR * prev) / (self.conf[kind, j] + CAL_PRIOR)
-                cal[kind, j] = prev
+        """(d_max + 2,): tokens committed at depth j per unit of kept-node confidence at depth j.
+        A drafter's confidence is not its acceptance (a greedy target accepts an underconfident
+        argmax), and the gap grows with depth (path confidences multiply), so one factor for all
+        depths would undersize deep trees. Each depth's ratio is shrunk towards the shallower one's
+        by CAL_PRIOR of pseudo-confidence: one unlucky round cannot zero a depth (its nodes would
+        then never be kept again to show otherwise), and a depth not yet measured takes the
+        shallower ratio."""
+        cal, prev = np.ones_like(self.hits), 1.0
+        for j in range(1, len(cal)):
+            prev = cal[j] = (self.hits[j] + CAL_PRIOR * prev) / (self.conf[j] + CAL_PRIOR)
         return np.clip(cal, 0.25, 8.0)
 
     def _learn_curves(self, rows: np.ndarray) -> None:

@@ -65,10 +65,6 @@ class RoundPlan:
     depth: np.ndarray  # (C,) int: levels slot b may use (0: it drafts nothing this round)
     widths: np.ndarray  # (C,) int: children slot b may use per expansion
     budget: np.ndarray  # (C,) int: drafted nodes slot b may keep (<= M)
-    # (2, L) log acceptance per unit of confidence, [off the greedy path, on it] x depth (depths
-    # past L - 1 take the last column): the rerank keeps nodes by calibrated value, not raw
-    # confidence (tree.lifted_scores); None: by confidence (EAGLE-2's rerank)
-    lift: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -97,9 +93,6 @@ class CandidateBatch:
     depths: torch.Tensor  # (C, P) long: 1 = child of the root
     scores: torch.Tensor  # (C, P) float: cumulative path score (log confidence)
     valid: torch.Tensor  # (C, P) bool: a real candidate (padding, masked ranks and levels: False)
-    # (C, P) bool: its parent's first child in the drafter's own order (the greedy / coupled draw
-    # under the drafter); None: the best path score among siblings stands for it
-    first: torch.Tensor | None = None
 
 
 @dataclass
@@ -112,7 +105,6 @@ class TreeBatch:
     scores: torch.Tensor  # (C, 1 + M) float: path scores (root 0)
     valid: torch.Tensor  # (C, 1 + M) bool: root and kept nodes
     mask: torch.Tensor  # (C, 1 + M, 1 + M) bool: [b, i, j] = j is i or an ancestor of i (padding: itself)
-    chain: torch.Tensor | None = None  # (C, 1 + M) bool: on the drafter's greedy path (tree.chain_flags)
     _host: "HostTree | None" = field(default=None, repr=False, compare=False)
 
     @property
@@ -170,6 +162,5 @@ class RoundOutcome:
     accepted: np.ndarray  # (C,) accepted drafted tokens
     depth: np.ndarray  # (C,) depth of the kept tree
     nodes: np.ndarray  # (C,) drafted nodes verified
-    level_conf: np.ndarray  # (2, D + 1) summed path confidence of kept nodes, [off, on] the greedy path x depth
-    level_hits: np.ndarray  # (2, D + 1) accepted nodes (all slots), [off, on] the greedy path x depth
+    level_conf: np.ndarray  # (D + 1,) summed path confidence of kept nodes per depth (all slots)
     curve: np.ndarray  # (D, n_max + 1): [j - 1, m] summed confidence of each slot's m best candidates of depth <= j

@@ -39,53 +39,18 @@ def ancestor_mask_batch(parents: torch.Tensor, levels: int) -> torch.Tensor:
     return mask
 
 
-def chain_flags(pool: CandidateBatch, levels: int) -> torch.Tensor:
-    """(C, P) bool: the candidate is on the drafter's greedy path (its parent's first child, and
-    its parent is too). A target accepts these far above their confidence and their siblings
-    below it (stand-in, T 0: 1.6x at depth 1 and 3-4x at depths 3-4 on the path; ~1x off it)."""
-    c, p = pool.scores.shape
-    first = pool.first
-    if first is None:  # the best path score among siblings
-        score = torch.where(pool.valid, pool.scores.double(), float("-inf"))
-        group = pool.parents + 1  # (C, P): 0 = children of the root
-        best = torch.full((c, p + 1), float("-inf"), dtype=torch.float64, device=score.device)
-        best = best.scatter_reduce(1, group, score, "amax")
-        first = score >= best.gather(1, group)
-    top, root = pool.valid & first, pool.parents < 0
-    chain = top & root
-    for _ in range(levels - 1):  # depth j is final after j - 1 passes
-        chain = top & (root | chain.gather(1, pool.parents.clamp(min=0)))
-    return chain
-
-
-def lifted_scores(pool: CandidateBatch, chain: torch.Tensor, lift: torch.Tensor, levels: int) -> torch.Tensor:
-    """(C, P) float64: each candidate's calibrated log value, its path score plus lift[on the
-    greedy path, depth] (lift (2, L); deeper depths take column L - 1), at most 0 (a probability)
-    and never above its parent's (so the best M are closed under ancestors). Invalid: -inf."""
-    d = pool.depths.clamp(max=lift.shape[1] - 1)
-    own = (pool.scores.double() + lift[chain.long(), d]).clamp(max=0.0)
-    root, par = pool.parents < 0, pool.parents.clamp(min=0)
-    key = own
-    for _ in range(levels - 1):
-        key = torch.where(root, own, torch.minimum(own, key.gather(1, par)))
-    return torch.where(pool.valid, key, float("-inf"))
-
-
 def rerank_batch(pool: CandidateBatch, nodes: int, budget: torch.Tensor, roots: torch.Tensor,
-                 levels: int, value: torch.Tensor | None = None, chain: torch.Tensor | None = None) -> TreeBatch:
-    """Every slot keeps its best candidates by path score as a tree (EAGLE-2 reranking, batched),
-    or by `value` (C, P), a key that never increases along a path (lifted_scores).
+                 levels: int) -> TreeBatch:
+    """Every slot keeps its best candidates by path score as a tree (EAGLE-2 reranking, batched).
 
     pool: CandidateBatch (C, P); nodes: M, the kept width; budget (C,): nodes slot b may keep
-    (<= M); roots (C,) root tokens; chain (C, P) flags carried to the tree. Scores never increase
-    along a path and ties go to the shallower node, so each slot's kept set is closed under
-    ancestors; kept nodes are ordered breadth-first (parents first), invalid ones last. Returns a
-    TreeBatch (C, 1 + M)."""
+    (<= M); roots (C,) root tokens. Scores never increase along a path and ties go to the
+    shallower node, so each slot's kept set is closed under ancestors; kept nodes are ordered
+    breadth-first (parents first), invalid ones last. Returns a TreeBatch (C, 1 + M)."""
     c, p = pool.tokens.shape
     dev = pool.tokens.device
     m = min(nodes, p)
-    value = pool.scores.double() if value is None else value
-    key = torch.where(pool.valid, value - pool.depths.double() * 1e-9, float("-inf"))
+    key = torch.where(pool.valid, pool.scores.double() - pool.depths.double() * 1e-9, float("-inf"))
     top = torch.topk(key, m, dim=1)  # sorted, best first
     ok = torch.isfinite(top.values) & (torch.arange(m, device=dev) < budget[:, None])  # (C, m)
     depth = pool.depths.gather(1, top.indices)
@@ -106,6 +71,4 @@ def rerank_batch(pool: CandidateBatch, nodes: int, budget: torch.Tensor, roots: 
         scores=torch.cat([torch.zeros(c, 1, device=dev), torch.where(ok, pool.scores.gather(1, keep), 0.0)], 1),
         valid=torch.cat([torch.ones(c, 1, dtype=torch.bool, device=dev), ok], 1),
         mask=ancestor_mask_batch(parents, levels),
-        chain=None if chain is None else torch.cat([torch.zeros(c, 1, dtype=torch.bool, device=dev),
-                                                    chain.gather(1, keep) & ok], 1),
     )

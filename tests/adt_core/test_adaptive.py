@@ -147,8 +147,7 @@ def test_cost_planner_learns_levels_from_their_gains_and_explores_one_deeper():
     p.seen = {True, False}  # past the first (warm-up) round of each kind
     plan = RoundPlan(3, 2, 4, np.array([3]), np.array([2]), np.array([4]))
     rows = _curves([[0.9, 0.1], [0.8, 0.05], [0.02, 0.01]])  # the third level adds almost nothing
-    on = lambda x: np.array([[0.0] * len(x), x])  # noqa: E731  every kept node on the greedy path
-    out = RoundOutcome(np.array([2]), np.array([3]), np.array([4]), on([0.0, 0.9, 0.8, 0.02]), on([0, 1, 1, 0]), rows)
+    out = RoundOutcome(np.array([2]), np.array([3]), np.array([4]), np.array([0.0, 0.9, 0.8, 0.02]), rows)
     p.observe(plan, out, 1, round_ms=20.0, draft_ms=3.0)
     assert sorted(p.curves) == [1, 2, 3] and p.level_ms == pytest.approx(1.0)
     np.testing.assert_allclose(p.curves[3], rows[2])  # one round: the curves as measured
@@ -173,18 +172,16 @@ def test_one_unlucky_round_does_not_zero_a_depth_and_exploring_keeps_nodes_to_re
     p = _planner(CostTable({1: 10.0, 2: 11.0, 4: 13.0, 8: 17.0, 64: 80.0}))
     plan = RoundPlan(2, 2, 3, np.array([2]), np.array([2]), np.array([3]))
     rows = _curves([[0.5, 0.2], [0.3, 0.1]])
-    # depth 1 accepted on the greedy path, its sibling (0.2) and depth 2 missed: one slot, one round
-    out = RoundOutcome(np.array([1]), np.array([2]), np.array([3]), np.array([[0.0, 0.2, 0.0], [0.0, 0.5, 0.3]]),
-                       np.array([[0, 0, 0], [0, 1, 0]]), rows)
-    p.observe(plan, out, 1, round_ms=20.0, draft_ms=3.0)
-    cal = p.calibration()  # (2, d_max + 2): [off, on] the greedy path x depth
-    assert cal[1, 1] == pytest.approx((1 + CAL_PRIOR) / (0.5 + CAL_PRIOR))
-    assert cal[1, 2] == pytest.approx(cal[1, 1] * CAL_PRIOR / (0.3 + CAL_PRIOR)) and cal[1, 2] > 0.5
-    assert cal[0, 1] == pytest.approx(CAL_PRIOR / (0.2 + CAL_PRIOR))  # the sibling: off the path
-    assert cal[1, 5] == cal[1, 2] and cal[0, 5] == cal[0, 1]  # never measured: the deepest measured ratio
+    p.observe(plan, RoundOutcome(np.array([1]), np.array([2]), np.array([3]), np.array([0.0, 0.7, 0.3]), rows),
+              1, round_ms=20.0, draft_ms=3.0)  # depth 1 accepted, depth 2 missed: one slot, one round
+    cal = p.calibration()
+    assert cal[1] == pytest.approx((1 + CAL_PRIOR) / (0.7 + CAL_PRIOR))
+    assert cal[2] == pytest.approx(cal[1] * CAL_PRIOR / (0.3 + CAL_PRIOR)) and cal[2] > 0.5
+    assert cal[5] == cal[2]  # never measured: the deepest measured ratio
     for _ in range(60):  # depth 2 keeps missing: the evidence outweighs the prior
-        p.observe(plan, out, 1, round_ms=20.0, draft_ms=3.0)
-    assert p.calibration()[1, 2] < 0.3
+        p.observe(plan, RoundOutcome(np.array([1]), np.array([2]), np.array([3]), np.array([0.0, 0.7, 0.3]), rows),
+                  1, round_ms=20.0, draft_ms=3.0)
+    assert p.calibration()[2] < 0.3
     p.curves = {1: _curves([[0.9]])[0]}  # one level learned, one node
     p.level_ms = 0.5
     d, m, _ = p.size(1, 2)

@@ -4,7 +4,7 @@ import torch
 
 from adt_core.config import TreeConfig, default_static_paths
 from adt_core.round.state import CandidateBatch
-from adt_core.round.tree import ancestor_mask_batch, chain_flags, lifted_scores, rerank_batch, static_children
+from adt_core.round.tree import ancestor_mask_batch, rerank_batch, static_children
 from tree_fixtures import one_tree
 
 
@@ -32,32 +32,6 @@ def test_rerank_keeps_best_and_is_ancestor_closed():
     assert tree.tokens[0].tolist() == [1, 5, 6, 8, 11]
     assert tree.parents[0].tolist() == [-1, 0, 0, 1, 3]
     assert tree.depths[0].tolist() == [0, 1, 1, 2, 3]
-    assert torch.equal(tree.mask, ancestor_mask_batch(tree.parents, 3))
-
-
-def test_calibrated_rerank_prefers_the_greedy_path_and_stays_ancestor_closed():
-    """The drafter's first choices, accepted far above their confidence, are kept before siblings
-    of higher confidence once the lift says so; the kept set is still a tree, and with no lift the
-    rerank is EAGLE-2's."""
-    tokens = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
-    parents = torch.tensor([[-1, -1, -1, 0, 0, 1, 3]])
-    depths = torch.tensor([[1, 1, 1, 2, 2, 2, 3]])
-    scores = torch.tensor([[-0.5, -1.0, -3.0, -1.4, -2.5, -1.2, -2.3]])
-    valid = torch.ones(1, 7, dtype=torch.bool)
-    first = torch.tensor([[True, False, False, True, False, True, True]])
-    pool = CandidateBatch(tokens, parents, depths, scores, valid, first)
-    chain = chain_flags(pool, 3)
-    assert chain[0].tolist() == [True, False, False, True, False, False, True]  # 5 -> 8 -> 11
-    by_score = CandidateBatch(tokens, parents, depths, scores, valid)  # no drafter order: the best sibling
-    assert torch.equal(chain_flags(by_score, 3), chain)
-    plain = rerank_batch(pool, 3, torch.tensor([3]), torch.tensor([1]), 3)
-    assert plain.tokens[0].tolist() == [1, 5, 6, 10]  # by confidence: the siblings first
-    lift = torch.log(torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.5, 3.0, 4.0]], dtype=torch.float64))
-    value = lifted_scores(pool, chain, lift, 3)
-    assert (value <= 0).all() and value[0, 6] <= value[0, 3] <= value[0, 0]  # never above its parent
-    tree = rerank_batch(pool, 3, torch.tensor([3]), torch.tensor([1]), 3, value, chain)
-    assert tree.tokens[0].tolist() == [1, 5, 8, 11]  # the greedy path, three deep
-    assert tree.parents[0].tolist() == [-1, 0, 1, 2] and tree.chain[0].tolist() == [False, True, True, True]
     assert torch.equal(tree.mask, ancestor_mask_batch(tree.parents, 3))
 
 
