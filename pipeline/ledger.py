@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 from pipeline.retry import StorageUnavailable
 from pipeline.storage import Storage
 from pipeline.tally import RunTally
-from pipeline.telemetry import SCHEMA, STATUS_OK, TELEMETRY_DIR
+from pipeline.telemetry import SAMPLE_COLUMNS, SCHEMA, STATUS_OK, TELEMETRY_DIR
 
 log = logging.getLogger(__name__)
 
@@ -134,12 +134,6 @@ def earlier_runs(output: Storage, resume: bool) -> tuple[EarlierRuns, Optional[t
     return EarlierRuns(ok=len(done), failed=len(failed)), (done, failed)
 
 
-def _sample_columns() -> list[str]:
-    from pipeline.shards import SAMPLE_COLUMNS
-
-    return SAMPLE_COLUMNS
-
-
 def outputs_telemetry(output: Storage, fmt: str) -> Optional[pa.Table]:
     """The telemetry finish_outputs needs: for `files`, the wide columns only when some ok row
     names an image (a job without one writes no metadata: nothing wide is read)."""
@@ -150,7 +144,7 @@ def outputs_telemetry(output: Storage, fmt: str) -> Optional[pa.Table]:
     if keys is None or not pc.any(pc.and_(pc.equal(keys["status"], STATUS_OK), pc.is_valid(keys["image_key"]))).as_py():
         return None
     del keys
-    return read_telemetry(output, columns=list(dict.fromkeys(narrow + _sample_columns())))
+    return read_telemetry(output, columns=list(dict.fromkeys(narrow + SAMPLE_COLUMNS)))
 
 
 # ----------------------------------------------------------------------------------------

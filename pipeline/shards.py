@@ -39,19 +39,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.storage import Storage, safe_name
-from pipeline.telemetry import SCHEMA
+from pipeline.telemetry import SAMPLE_COLUMNS, SCHEMA
 
 log = logging.getLogger(__name__)
 
 SHARD_DIR = "shards"
 METADATA_KEY = "images/metadata.parquet"
 EXTENSIONS = {"webdataset": "tar", "parquet": "parquet"}
-# The row columns that travel with each image (json in a tar, columns in parquet and metadata).
-SAMPLE_COLUMNS = [
-    "prompt_id", "prompt", "seed", "width", "height", "job_id", "run_id", "bundle", "method", "sampler",
-    "config_hash", "lossy", "grid_h", "grid_w", "num_spec_steps", "mean_acceptance_length",
-    "draft_acceptance_rate", "generation_time_ms", "speedup", "estimated_speedup", "finished_at",
-]
 _COUNT = re.compile(r"-n(\d+)\.[a-z]+$")
 
 

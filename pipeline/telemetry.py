@@ -103,6 +103,14 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
 ]
 
 SCHEMA = pa.schema([pa.field(name, typ, metadata={"doc": doc}) for name, typ, doc in COLUMNS])
+
+# The row columns that travel with each image (json in a tar, columns in parquet and metadata).
+SAMPLE_COLUMNS = [
+    "prompt_id", "prompt", "seed", "width", "height", "job_id", "run_id", "bundle", "method", "sampler",
+    "config_hash", "lossy", "grid_h", "grid_w", "num_spec_steps", "mean_acceptance_length",
+    "draft_acceptance_rate", "generation_time_ms", "speedup", "estimated_speedup", "finished_at",
+]
+
 COLUMN_NAMES = [name for name, _, _ in COLUMNS]
 
 
