@@ -105,7 +105,10 @@ class Generator:
                 used += n
                 yield failed + (list(self._finish(dec.admit(items, part))) if items else [])
                 continue
-            yield list(self._finish(dec.step()))
+            done = list(self._finish(dec.step()))
+            if not (queue or ready):
+                dec.narrow()  # the tail: its images go on in fewer slots
+            yield done
 
     def decoder(self, capacity: int) -> BatchDecoder:
         """A BatchDecoder of `capacity` slots over this Generator's fixed set-up."""

@@ -165,6 +165,22 @@ class KVCache:
         mask[:, :, diag, self.length + diag] = True
         return mask
 
+    def narrow(self, rows: np.ndarray) -> None:
+        """Keep rows `rows` (n,) as rows 0 .. n - 1 (a batch's tail moved to fewer slots). They
+        move within the buffers one layer at a time (the only extra memory is one layer's kept
+        rows), and the buffers become views of their first n rows: later forwards compute n rows."""
+        n, dev = len(rows), self.k.device
+        idx = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(dev)
+        for buf in (self.k, self.v):
+            for layer in range(buf.shape[0]):
+                buf[layer, :n] = buf[layer].index_select(0, idx)
+        n_layer, _, n_head, max_len, head_dim = self.k.shape
+        self.k, self.v = self.k[:, :n], self.v[:, :n]  # (L, n, heads, max_len, hd) views
+        self.valid = self.valid.index_select(0, idx)
+        self._base = (torch.arange(n, device=dev)[:, None] * n_head + torch.arange(n_head, device=dev)) * max_len
+        self._flat = tuple(x.view(n_layer, n * n_head * max_len, head_dim) for x in (self.k, self.v))
+        self.set_lengths(self.host[np.asarray(rows)])
+
     # ---- compaction ---------------------------------------------------------------------
     def keep_rows(self, start: np.ndarray, idx: torch.Tensor, counts: np.ndarray) -> None:
         """Per row r keep slots start[r] + idx[r, :counts[r]] (ascending), compacted to
@@ -177,8 +193,9 @@ class KVCache:
             src = first + idx[:, 1:hi]  # (R, hi - 1)
             dst = first + torch.arange(1, hi, device=dev)  # (R, hi - 1)
             src, dst = ((self._base[:, :, None] + x[:, None]).flatten() for x in (src, dst))  # entries of `_flat`
-            for flat in self._flat:  # one gather and one copy per buffer over all layers (contiguous hd rows)
-                flat.index_copy_(1, dst, flat.index_select(1, src))
+            for flat in self._flat:  # one gather and one copy of contiguous hd rows over all layers; per layer
+                for part in (flat,) if flat.is_contiguous() else flat:  # on a narrowed cache's views (one call
+                    part.index_copy_(-2, dst, part.index_select(-2, src))  # over them took 40x as long)
         self.set_lengths(np.asarray(start) + np.asarray(counts))
 
     def load_rows(self, rows: torch.Tensor, other: "KVCache") -> None:

@@ -59,6 +59,10 @@ class AdaptiveGrid:
         self.width = np.zeros((slots, n), np.int64)
         self.alpha = np.zeros((slots, n), np.float64)
 
+    def narrow(self, order: np.ndarray) -> None:
+        """Keep slots `order` (n,) as slots 0 .. n - 1 (BatchDecoder.narrow)."""
+        self.has, self.depth, self.width, self.alpha = (x[order] for x in (self.has, self.depth, self.width, self.alpha))
+
     def reset(self, slots: np.ndarray) -> None:
         """Slots (bool (C,)) start a new image: no records."""
         self.has[slots] = False

@@ -85,6 +85,7 @@ class Finished:
 class BatchDecoder:
     def __init__(self, setup: DecodeSetup, capacity: int) -> None:
         self.s, self.capacity = setup, capacity
+        self.batch_size = capacity  # the batch its images were admitted to (their telemetry's); `narrow` keeps it
         b, c = setup.bundle, setup.config
         self.n, self.r = setup.n_tokens, setup.cfg_rows
         self.layout: Layout = setup.prompter.layout
@@ -240,7 +241,7 @@ class BatchDecoder:
         out = []
         for j, b in enumerate(done):
             index, prompt, seed = self.meta[b]
-            out.append(Finished(index, prompt, seed, grid[j], self.log.finish(b, self.capacity)))
+            out.append(Finished(index, prompt, seed, grid[j], self.log.finish(b, self.batch_size)))
             self.meta[b], s.gens[b] = None, None
         mask = np.zeros(self.capacity, bool)
         mask[done] = True
@@ -252,6 +253,31 @@ class BatchDecoder:
         if self.drafter is not None:
             self.drafter.reset(mask)
         return out
+
+    def narrow(self) -> bool:
+        """The batch's tail (no image will be admitted again): once at most half the slots hold
+        an image, those move to slots 0 .. n - 1 of n (the next power of two) and every later
+        round computes n slots, not C: images that speculation left behind cost what n in flight
+        cost, not a full batch of padding (a fixed-length `ar` wave finishes together and never
+        narrows). Outputs are unchanged: a slot's draws depend on its seed and positions only.
+        True when it narrowed."""
+        s = self.slots
+        a = int(s.active.sum())
+        n = 1 << max(a - 1, 0).bit_length()  # (a <= n < 2a)
+        if a == 0 or 2 * n > self.capacity:
+            return False
+        order = np.concatenate([np.flatnonzero(s.active), np.flatnonzero(~s.active)[: n - a]])  # (n,) old slots
+        rows = np.concatenate([order + i * self.capacity for i in range(self.r)])  # (n x cfg rows,)
+        self.cache.narrow(rows)
+        for part in (s, self.grid, self.drafter, self.log):
+            if part is not None:
+                part.narrow(order)
+        self.row_base = self.row_base[rows]
+        self.base_col = torch.from_numpy(self.row_base[:, None].copy()).to(self.s.device)
+        self.meta = [self.meta[i] for i in order]
+        self.planner.narrow(n)
+        self.capacity = n
+        return True
 
     # ---- one round ----------------------------------------------------------------------
     @torch.inference_mode()

@@ -74,6 +74,15 @@ class PairRing:
         self._slot_idx = torch.arange(slots, device=device)
         self._row_idx = torch.arange(slots * cfg_rows, device=device)
 
+    def narrow(self, order: np.ndarray, rows: np.ndarray) -> None:
+        """Keep slots `order` (n,), cache rows `rows` (n x cfg rows), as 0 .. n - 1 (BatchDecoder.narrow)."""
+        dev = self.t.device
+        self.h = self.h.index_select(0, torch.from_numpy(rows).to(dev))
+        self.t = self.t.index_select(0, torch.from_numpy(order).to(dev))
+        self.fed, self.slots = self.fed[order], len(order)
+        self._slot_idx = torch.arange(self.slots, device=dev)
+        self._row_idx = torch.arange(self.slots * self.cfg_rows, device=dev)
+
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """(C, ...) -> (R, ...): the slot's value for each of its cfg rows."""
         return x if self.cfg_rows == 1 else torch.cat([x] * self.cfg_rows)
@@ -172,6 +181,14 @@ class BatchDrafter:
         return pos if self.max_pos is None else pos.clamp(max=self.max_pos)
 
     # ---- slots --------------------------------------------------------------------------
+    def narrow(self, order: np.ndarray) -> None:
+        """Keep slots `order` (n,) as slots 0 .. n - 1 (BatchDecoder.narrow)."""
+        order = np.asarray(order, dtype=np.int64)
+        rows = np.concatenate([order + c * self.slots for c in range(self.cfg_rows)])
+        self.cache.narrow(rows)
+        self.ring.narrow(order, rows)
+        self.slots = len(order)
+
     def reset(self, slots: np.ndarray) -> None:
         """Slots (bool (C,)) start empty: no cached pairs, nothing fed."""
         self.ring.fed[slots] = 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from adt_core.config import SamplingConfig
@@ -58,6 +59,13 @@ class JacobiWindow:
         self.q = torch.zeros(slots, ring + 1, vocab, device=device) if sampling is not None else None
         self.chain_q: torch.Tensor | None = None  # (C, D + 1, V) q of each drafted depth (rejection)
         self.chain_has: torch.Tensor | None = None  # (C, D + 1) bool: depth j was drawn from a q row
+
+    def narrow(self, order: np.ndarray) -> None:
+        """Keep slots `order` (n,) as slots 0 .. n - 1 (BatchDecoder.narrow)."""
+        idx = torch.from_numpy(np.asarray(order, dtype=np.int64)).to(self.stamp.device)
+        take = lambda x: None if x is None else x.index_select(0, idx)  # noqa: E731
+        self.tok, self.score, self.stamp, self.q = (take(x) for x in (self.tok, self.score, self.stamp, self.q))
+        self.chain_q, self.chain_has = take(self.chain_q), take(self.chain_has)
 
     def reset(self, slots) -> None:
         """Slots (bool (C,)) start with an empty window."""

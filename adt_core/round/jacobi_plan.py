@@ -80,6 +80,10 @@ class JacobiPlanner(ShapePlanner):
     def share(self, other) -> None:
         """The model is per capacity (nothing is shared)."""
 
+    def narrow(self, capacity: int) -> None:
+        """Extra tokens per width are per slot: they stay; a round's times are re-measured."""
+        self.capacity, self.base, self.over = capacity, None, None
+
     # ---- the model ------------------------------------------------------------------------
     def ratio(self, m: int) -> float:
         """The table's forward of C (1 + m) tokens over one of C, non-decreasing in m."""

@@ -62,6 +62,12 @@ class RoundLog:
         self._next_serial = 0
         self._joined: tuple[int, np.ndarray] | None = None  # (round number, every kept drafted-round row)
 
+    def narrow(self, order: np.ndarray) -> None:
+        """Keep slots `order` (n,) as slots 0 .. n - 1 (BatchDecoder.narrow); rounds stay as logged."""
+        self.serial, self.entered, self.snap = self.serial[order], self.entered[order], self.snap[order]
+        self.count = {k: v[order] for k, v in self.count.items()}
+        self.capacity = len(order)
+
     def admit(self, slots: np.ndarray, share_ms: float) -> None:
         """Images enter `slots` (indices); the prefill's time is shared among them."""
         self.serial[slots] = np.arange(self._next_serial, self._next_serial + len(slots))

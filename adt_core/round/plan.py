@@ -73,6 +73,10 @@ class Planner:
         """Use the draft-or-not measurements of another capacity's planner of the same Generator
         (they are per slot count, not per capacity; nothing here)."""
 
+    def narrow(self, capacity: int) -> None:
+        """The decoder's images go on in `capacity` slots (BatchDecoder.narrow): what the planner
+        learned per image stays; its model of a round's cost is now of that many slots."""
+
     def __init__(self, n_tokens: int) -> None:
         self.n = n_tokens
 
@@ -223,6 +227,11 @@ class CostPlanner(ShapePlanner):
     def share(self, other: "Planner") -> None:
         if isinstance(other, CostPlanner):
             self.guard = other.guard
+
+    def narrow(self, capacity: int) -> None:
+        """Acceptance per depth is per image and the guard's verdicts are per slot in flight: both
+        stay; the verify's cost is read for `capacity` slots, the draft level's ms re-measured."""
+        self.capacity, self.level_ms = capacity, None
 
     def _warm(self, drafted: bool) -> bool:
         """False for the first round of a kind: its time holds one-off costs, not the rate."""

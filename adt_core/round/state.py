@@ -42,6 +42,13 @@ class Slots:
     def sink(self) -> int:
         return self.tokens.shape[1] - 1
 
+    def narrow(self, order: np.ndarray) -> None:
+        """Keep slots `order` (n,) as slots 0 .. n - 1 (BatchDecoder.narrow)."""
+        idx = torch.from_numpy(np.asarray(order, dtype=np.int64)).to(self.count.device)
+        self.tokens, self.count, self.seeds = (x.index_select(0, idx) for x in (self.tokens, self.count, self.seeds))
+        self.host_count, self.active = self.host_count[order], self.active[order]
+        self.gens = [self.gens[i] for i in order]
+
     def roots(self) -> torch.Tensor:
         """(C,) each slot's last committed token (free slots: token 0)."""
         return self.tokens.gather(1, (self.count - 1).clamp(min=0)[:, None])[:, 0]

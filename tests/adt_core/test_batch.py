@@ -110,7 +110,7 @@ def test_ragged_cache_rows_hold_exactly_the_committed_prefix(method, cfg_scale):
     dec = g.decoder(3)
     queue = list(zip(range(5), PROMPTS, SEEDS))
     nbytes, t = dec.cache.nbytes(), bundle.target.config.cls_token_num
-    done, rounds = 0, 0
+    done, rounds, narrowed = 0, 0, []
     with torch.inference_mode():
         while queue or dec.active():
             free = len(dec.free())
@@ -119,6 +119,9 @@ def test_ragged_cache_rows_hold_exactly_the_committed_prefix(method, cfg_scale):
                 done += len(dec.admit(items, g.prompter.rows([p for _, p, _ in items], g.cfg_rows == 2)))
             done += len(dec.step())
             rounds += 1
+            if not queue and dec.narrow():  # the tail moves to fewer slots: rows stay exact
+                narrowed.append(dec.capacity)
+                nbytes = dec.cache.nbytes()
             assert dec.cache.nbytes() == nbytes  # preallocated once: no growth with rounds
             for b in dec.active():
                 count = int(dec.slots.host_count[b])
@@ -133,6 +136,42 @@ def test_ragged_cache_rows_hold_exactly_the_committed_prefix(method, cfg_scale):
             for b in dec.free():  # retired rows are empty again
                 assert all(int(dec.cache.lengths[b + dec.capacity * i]) == 0 for i in range(g.cfg_rows))
     assert done == 5 and rounds > 4
+    if method != "ar":  # images left at different rounds: the last ones went on in one slot
+        assert narrowed and narrowed[-1] == 1 and dec.cache.k.shape[1] == g.cfg_rows
+
+
+def test_the_tail_of_a_batch_computes_only_its_images_and_keeps_their_stats(monkeypatch):
+    """Once no image will be admitted and at most half the slots are busy, rounds run over the
+    next power of two of slots (operator shapes, not time); outputs equal ar's alone."""
+    from adt_core.round.decoder import BatchDecoder
+
+    bundle = random_bundle(seed=15, vocab=16, grid=(4, 5))
+    g = Generator(bundle, DecodeConfig(method="adt", temperature=0.9, cfg_scale=3.0, batch_size=4,
+                                       adaptive=AdaptiveConfig(budget="shape", d_max=4, k_max=4, n_max=12)))
+    rows, in_step = [], []
+    step, forward = BatchDecoder.step, bundle.target.forward
+
+    def counted_step(self):
+        in_step.append(True)
+        try:
+            return step(self)
+        finally:
+            in_step.pop()
+
+    def counted_forward(positions, mask, cache=None, **kw):
+        if in_step:
+            rows.append(mask.shape[0])  # mask (R, 1, S, K): the rows this round computes
+        return forward(positions, mask, cache, **kw)
+
+    monkeypatch.setattr(BatchDecoder, "step", counted_step)
+    monkeypatch.setattr(bundle.target, "forward", counted_forward)
+    res = g.generate(PROMPTS, SEEDS)
+    for p, s, r in zip(PROMPTS, SEEDS, res):
+        alone = Generator(bundle, DecodeConfig(method="ar", temperature=0.9, cfg_scale=3.0)).generate([p], [s])[0]
+        assert torch.equal(r.tokens, alone.tokens) and r.stats.batch_size == 4  # telemetry: the batch admitted to
+    assert rows[0] == 8 and rows[-1] == 2  # cond + uncond rows of 4 slots; the last image alone
+    tail = rows[next(i for i, r in enumerate(rows) if r < 8):]
+    assert tail == sorted(tail, reverse=True)  # narrowed only once the queue is empty: never wider again
 
 
 def test_a_split_wave_waits_briefly_to_refill_together_while_plain_steps_are_ahead():
