@@ -29,7 +29,8 @@ import pytest
 
 from fault_worker import kill_once_worker, paced_worker, placed, placements
 from pipeline.config import build_config
-from pipeline.driver import EXIT_NO_RESOURCES, EXIT_OK, run_job
+from pipeline.driver import run_job
+from pipeline.exit_codes import EXIT_NO_RESOURCES, EXIT_OK
 from pipeline.execute import CPU_ENGINE_ENV
 from pipeline_helpers import simple_rows, write_prompts
 
