@@ -30,8 +30,8 @@ import pytest
 from fault_worker import kill_once_worker, paced_worker, placed, placements
 from pipeline.config import build_config
 from pipeline.driver import run_job
-from pipeline.exit_codes import EXIT_NO_RESOURCES, EXIT_OK
 from pipeline.execute import CPU_ENGINE_ENV
+from pipeline.exit_codes import EXIT_NO_RESOURCES, EXIT_OK
 from pipeline_helpers import simple_rows, write_prompts
 
 pytestmark = pytest.mark.slow
@@ -263,6 +263,7 @@ def test_a_gpu_node_joining_mid_run_grows_the_pool_onto_it(tmp_path, cluster):
         log = text.getvalue()
         assert res.exit_code == EXIT_OK, log[-3000:]
         assert "2 actors requested, 1 GPUs fit 1 now: the pool grows as GPU nodes join" in log, log[-3000:]
+        assert len(joined) == 1, "the GPU node did not join (its start failed in the watcher thread)"
         (new, joined_at), = joined
         # every prompt exactly once: one image, one telemetry (ledger) row, one metadata row each
         want = Counter(r["prompt_id"] for r in rows)
