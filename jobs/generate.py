@@ -32,7 +32,8 @@ from typing import Optional
 
 from pipeline.cli import CliParser, add_job_flags, job_overrides
 from pipeline.config import ConfigError, load_config
-from pipeline.driver import EXIT_BAD_INPUT, main_guarded
+from pipeline.driver import main_guarded
+from pipeline.exit_codes import EXIT_BAD_INPUT
 
 
 def build_parser() -> argparse.ArgumentParser:

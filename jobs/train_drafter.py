@@ -255,8 +255,9 @@ def make_data(cfg: TrainDrafterConfig, out: Storage, say) -> Storage:
     if cfg.data is not None:
         return open_storage(cfg.data, cfg.storage)
     from pipeline.checks import JobRefused
-    from pipeline.driver import EXIT_INTERRUPTED as GEN_INTERRUPTED, EXIT_STORAGE_UNAVAILABLE, run_job
+    from pipeline.driver import run_job
     from pipeline.execute import JobInterrupted
+    from pipeline.exit_codes import EXIT_INTERRUPTED as GEN_INTERRUPTED, EXIT_STORAGE_UNAVAILABLE
     from jobs.train.distill import data_job_config
 
     data_uri = child_uri(cfg.out, "data")

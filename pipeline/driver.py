@@ -21,12 +21,8 @@ Output layout (rooted at JobConfig.output, a path or s3:// prefix):
     telemetry/*.parquet      one row per processed prompt (pipeline.telemetry.SCHEMA)
     summary.json             counts, throughput, speedups of the latest run
 
-Exit codes (EXIT_CODES; docs/pipeline.md):
-    0 done            1 some rows failed      2 config / input / resume / bundle / memory plan refused
-    3 Ray cluster unreachable, too small, or every actor-hosting node lost mid-run
-    4 storage unavailable
-    5 output in use by another job (lease)    6 interrupted (SIGTERM / SIGINT)
-    7 internal error (a bug: traceback logged)
+Exit codes: pipeline.exit_codes (EXIT_CODES; docs/pipeline.md); main_guarded turns every way
+a job can end into one of them.
 """
 
 from __future__ import annotations
@@ -49,6 +45,9 @@ import pyarrow.compute as pc
 from pipeline.checks import JobRefused, check_bundle, check_engine_config, plan_job_memory
 from pipeline.cluster import ActorPlan, ClusterUnavailable, connect
 from pipeline.execute import JobInterrupted, PoolLost, PoolRun, execute
+from pipeline.exit_codes import (EXIT_BAD_INPUT, EXIT_CODES, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NO_RESOURCES,
+                                 EXIT_OK, EXIT_OUTPUT_BUSY, EXIT_ROWS_FAILED, EXIT_STORAGE_UNAVAILABLE, RUN_STATUS,
+                                 run_exit_code)
 from pipeline.config import DEFAULT_INPUT, ConfigError, JobConfig, packaged_input
 from pipeline.history import ConfigChanged, check_and_record, finish_record
 from pipeline.lease import Lease, LeaseHeld
@@ -67,25 +66,6 @@ log = logging.getLogger(__name__)
 
 MEMORY_PLAN = "memory_plan.json"  # the start-up memory plan of the latest run (adt_core.memory)
 
-EXIT_OK = 0
-EXIT_ROWS_FAILED = 1
-EXIT_BAD_INPUT = 2
-EXIT_NO_RESOURCES = 3
-EXIT_STORAGE_UNAVAILABLE = 4
-EXIT_OUTPUT_BUSY = 5
-EXIT_INTERRUPTED = 6
-EXIT_INTERNAL = 7
-EXIT_CODES = {
-    EXIT_OK: "done: every selected prompt has an ok row",
-    EXIT_ROWS_FAILED: "the run finished but some rows failed (--allow-failures makes it 0)",
-    EXIT_BAD_INPUT: "the config, the prompt input, a resume, the bundle or its memory plan was refused before any work",
-    EXIT_NO_RESOURCES: "the Ray cluster cannot be reached or cannot host the actors (or lost every node that could, "
-                       "mid-run: rerun with --resume)",
-    EXIT_STORAGE_UNAVAILABLE: "the input or output store is unavailable (down past storage.retry_budget_s, or refused)",
-    EXIT_OUTPUT_BUSY: "another job holds the output's lease",
-    EXIT_INTERRUPTED: "stopped by SIGTERM / SIGINT; what was done is in the telemetry and summary",
-    EXIT_INTERNAL: "an unexpected error (a bug); the traceback is logged",
-}
 
 
 @dataclass
@@ -325,15 +305,14 @@ def _summarize(run: _Run) -> tuple[dict[str, Any], int]:
     tally, before = run.ledger.tally, run.earlier or EarlierRuns()
     redone = int((run.todo.seen & before.retried).sum()) if before.retried is not None else 0
     job_ok, job_failed = before.ok + tally.ok, before.failed - redone + tally.failed
-    code = _exit_code(cfg, summary, run.stopped)
+    code = run_exit_code(summary["failed"], cfg.allow_failures, run.stopped)
     plan = run.plan
     summary.update(
         job_id=cfg.job_id, run_id=run.run_id, config_hash=cfg.config_hash(), input=run.source.uri,
         output=run.output.uri, device=plan.device if plan else None, num_actors=plan.num_actors if plan else 0,
         method=cfg.decode.method, engine_batch=cfg.decode.batch_size, budget=_budget(cfg),
         job_ok=job_ok, job_failed=job_failed, durable_rows=run.ledger.rows_written, ledger_parts=run.ledger.seq,
-        status={EXIT_INTERRUPTED: "interrupted", EXIT_STORAGE_UNAVAILABLE: "storage unavailable",
-                EXIT_NO_RESOURCES: "cluster lost"}.get(code, "done"),
+        status=RUN_STATUS.get(code, "done"),
         exit_code=code, error=str(run.stopped) if run.stopped else None,
         pool_passes=run.pool.get("passes", 0), actor_restarts=run.pool.get("actor_restarts", 0),
         duplicate_rows_dropped=run.pool.get("duplicates_dropped", 0),
@@ -372,16 +351,6 @@ def _report(run: _Run, summary: dict[str, Any], code: int) -> JobResult:
     elif code != EXIT_OK:
         say(f"exit code {code}: {EXIT_CODES[code]}")
     return JobResult(summary=summary, exit_code=code, output_uri=output.uri)
-
-
-def _exit_code(cfg: JobConfig, summary: dict[str, Any], stopped: Optional[BaseException]) -> int:
-    if isinstance(stopped, PoolLost):
-        return EXIT_NO_RESOURCES
-    if isinstance(stopped, StorageUnavailable):
-        return EXIT_STORAGE_UNAVAILABLE
-    if isinstance(stopped, JobInterrupted):
-        return EXIT_INTERRUPTED
-    return EXIT_ROWS_FAILED if summary["failed"] and not cfg.allow_failures else EXIT_OK
 
 
 def main_guarded(cfg: JobConfig, stream: Optional[TextIO] = None, err: Optional[TextIO] = None) -> int:

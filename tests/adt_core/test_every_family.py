@@ -112,7 +112,8 @@ def test_the_generate_job_runs_a_family_registered_from_tests(toy, tmp_path, ray
     import pyarrow as pa
 
     from pipeline.config import build_config
-    from pipeline.driver import EXIT_OK, run_job
+    from pipeline.driver import run_job
+    from pipeline.exit_codes import EXIT_OK
 
     rows = [{"prompt_id": f"t{i}", "prompt": p, "seed": s} for i, (p, s) in enumerate(zip(PROMPTS, SEEDS))]
     src = tmp_path / "p.parquet"

@@ -9,9 +9,12 @@
   line up with none of the first attempt's (Ray passes on a retry's chunks by position):
   without the driver's redo pass, the batch's unfinished prompts would get no row.
 - `placed(cls, folder)`: `cls` that also writes, as each actor starts, where Ray placed it
-  (actor id, node id, GPU ids, process id, engine device) as one JSON file in `folder`.
-- `paced_worker(seconds)`: takes at least `seconds` per image, like a bigger model, so that
-  images finish one by one at a known pace whatever the machine's load.
+  (actor id, node id, GPU ids, process id, engine device, wall-clock time once its bundle is
+  loaded) as one JSON file in `folder`.
+- `paced_worker(seconds, until=None, then_s=0.0)`: takes at least `seconds` per image, like a
+  bigger model, so that images finish one by one at a known pace whatever the machine's load;
+  with `until`, `then_s` per image once that file exists (a test waiting for an event, e.g. the
+  pool growing, keeps the job running until it happened and then lets it end quickly).
 """
 
 from __future__ import annotations
@@ -51,19 +54,21 @@ def placements(folder: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(Path(folder).glob("*.json"))]
 
 
-def paced_worker(seconds: float) -> type:
-    return type("PacedWorker", (_Paced,), {"seconds": seconds})
+def paced_worker(seconds: float, until: Path | None = None, then_s: float = 0.0) -> type:
+    return type("PacedWorker", (_Paced,), {"seconds": seconds, "until": str(until or ""), "then_s": then_s})
 
 
 class _Paced(GeneratorWorker):
     """Each image finishes `seconds` after the one before (the engine's pace, not the writer's)."""
 
     seconds = 0.0
+    until = ""  # a file: once it exists, each image takes then_s instead
+    then_s = 0.0
 
     def _stream(self, prompts):
         for item in super()._stream(prompts):
             if item is not None:  # an image, not a round's tick
-                time.sleep(self.seconds)
+                time.sleep(self.then_s if self.until and os.path.exists(self.until) else self.seconds)
             yield item
 
 
@@ -135,5 +140,7 @@ class _Placed(GeneratorWorker):
         super().__init__(*args, **kwargs)
         ctx = ray.get_runtime_context()
         doc = {"actor_id": ctx.get_actor_id(), "node_id": ctx.get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-               "pid": os.getpid(), "device": self.device}
-        Path(self.folder, f"{os.getpid()}.json").write_text(json.dumps(doc))
+               "pid": os.getpid(), "device": self.device, "ready_at": time.time()}
+        tmp = Path(self.folder, f".{os.getpid()}.tmp")  # whole or absent for a reader polling the folder
+        tmp.write_text(json.dumps(doc))
+        tmp.rename(Path(self.folder, f"{os.getpid()}.json"))

@@ -12,7 +12,7 @@ import pytest
 from jobs.generate import main as cli_main
 from pipeline.cluster import ClusterUnavailable, plan_actors, probe, ray_target
 from pipeline.config import MIN_CPUS_PER_ACTOR, ConfigError, build_config
-from pipeline.driver import EXIT_BAD_INPUT, EXIT_NO_RESOURCES
+from pipeline.exit_codes import EXIT_BAD_INPUT, EXIT_NO_RESOURCES
 from pipeline_helpers import simple_rows, write_prompts
 from tcp_proxy import free_port
 

@@ -10,7 +10,8 @@ import pytest
 
 from pipeline.config import ConfigError, StorageSettings, build_config
 from pipeline.cluster import ClusterUnavailable, plan_actors
-from pipeline.driver import EXIT_BAD_INPUT, EXIT_OK, EXIT_ROWS_FAILED, main_guarded, run_job
+from pipeline.driver import main_guarded, run_job
+from pipeline.exit_codes import EXIT_BAD_INPUT, EXIT_OK, EXIT_ROWS_FAILED
 from pipeline.storage import image_key, open_storage
 from fault_worker import kill_recut_worker
 from pipeline_helpers import simple_rows, write_prompts

@@ -14,7 +14,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from pipeline.config import build_config
-from pipeline.driver import EXIT_OK, run_job
+from pipeline.driver import run_job
+from pipeline.exit_codes import EXIT_OK
 from pipeline.progress_sink import WRITE_GAP_S
 from pipeline_helpers import simple_rows, write_prompts
 

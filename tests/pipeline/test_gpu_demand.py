@@ -1,5 +1,7 @@
 """GPU demand on a cluster whose GPU nodes autoscale from zero: the plan asks for GPUs,
-waits a bounded, configurable time, then falls back (auto) or fails (cuda)."""
+waits a bounded, configurable time, then falls back (auto) or fails (cuda). Pure functions on
+hand-written resource dicts and a fake clock, and one real local Ray for the autoscaler
+request; no cluster is simulated here (tests/pipeline/test_multinode.py runs real nodes)."""
 
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class Clock:
-    """A fake clock for the wait's deadline (no sleeping in tests); the GPU node joining for
-    real is tests/pipeline/test_multinode.py (a Cluster node added while the driver waits)."""
+    """A fake clock for the wait's deadline (no sleeping in tests). Nodes joining and leaving
+    for real are tests/pipeline/test_multinode.py: a GPU node joining a running job (the pool
+    grows onto it), every GPU node lost (exit 3) and a resume on a node that joined."""
 
     def __init__(self):
         self.now = 0.0
@@ -69,6 +72,8 @@ def test_no_gpus_after_the_wait_falls_back_or_fails_clearly():
 
 
 def test_pool_watch_ends_the_job_once_no_node_can_host_an_actor_for_the_wait():
+    """PoolWatch.check's rule on hand-written `ray.nodes()` entries and the fake clock; the job
+    it ends when a real cluster loses its GPU nodes is test_multinode.py's exit-3 test."""
     from pipeline.cluster import ActorPlan, PoolWatch
 
     plan = ActorPlan("cuda", 2, 1.0, 1.0, 1)

@@ -7,7 +7,7 @@ from adt_core.config import AdaptiveConfig, DecodeConfig, LanternConfig, TreeCon
 from jobs.generate import main as cli_main
 from pipeline.config import ConfigError, JobConfig, build_config, leaf_fields, load_config, parse_cli_value
 from pipeline.decode_config import FIELD_DOCS
-from pipeline.driver import EXIT_BAD_INPUT
+from pipeline.exit_codes import EXIT_BAD_INPUT
 
 
 def test_defaults_fill_job_id_and_output():

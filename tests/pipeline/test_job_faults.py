@@ -14,15 +14,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import ConfigError, build_config
-from pipeline.driver import (
-    EXIT_BAD_INPUT,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_OUTPUT_BUSY,
-    EXIT_STORAGE_UNAVAILABLE,
-    main_guarded,
-    run_job,
-)
+from pipeline.driver import main_guarded, run_job
+from pipeline.exit_codes import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUTPUT_BUSY, EXIT_STORAGE_UNAVAILABLE
 from pipeline.history import run_records
 from pipeline.lease import LEASE_KEY, Lease
 from pipeline.ledger import read_telemetry

@@ -9,6 +9,8 @@ connected to it, and the session's in-process Ray is restarted afterwards.
   once (images, telemetry rows), restarts counted;
 - every GPU node lost mid-run -> exit 3 with one error line; a GPU node joins; --resume does
   only what is missing, on it;
+- one GPU node for --num-actors 2, a second joining mid-run: the pool grows onto it (its rows
+  and its actor on the new node), every prompt exactly once, exit 0;
 - a short seeded jobs.chaos run (S3 server restarted, driver killed and resumed).
 """
 
@@ -19,6 +21,7 @@ import os
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -26,13 +29,16 @@ import pytest
 
 from fault_worker import kill_once_worker, paced_worker, placed, placements
 from pipeline.config import build_config
-from pipeline.driver import EXIT_NO_RESOURCES, EXIT_OK, run_job
+from pipeline.driver import run_job
 from pipeline.execute import CPU_ENGINE_ENV
+from pipeline.exit_codes import EXIT_NO_RESOURCES, EXIT_OK
 from pipeline_helpers import simple_rows, write_prompts
 
 pytestmark = pytest.mark.slow
 
 NODE = dict(num_cpus=2, num_gpus=1, object_store_memory=80 * 1024**2)
+GROW_PROMPTS = 30  # at GROW_PACE_S an image, one actor alone takes 60 s: room for a slow growth
+GROW_PACE_S = 2.0
 FAST_HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3, "health_check_initial_delay_ms": 0,
                "worker_niceness": 0}
 
@@ -82,9 +88,21 @@ def cluster():
             init_session_ray()
 
 
+# The thread that starts every node added during the tests. Ray starts a raylet with
+# PR_SET_PDEATHSIG (fate sharing), which Linux ties to the creating *thread*: a node started from a
+# watcher thread is SIGKILLed when that thread ends (the GCS then marks it dead 1.5 s later). This
+# thread lives as long as the test process.
+_NODE_STARTER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="node-starter")
+
+
 def _add_gpu_node(cluster):
-    """A GPU node joins (from the watcher thread: Ray's node start-up sets a SIGTERM handler,
-    which only the main thread may; the test process keeps its own)."""
+    """A GPU node joins, started from _NODE_STARTER (callable from any thread)."""
+    return _NODE_STARTER.submit(_start_gpu_node, cluster).result()
+
+
+def _start_gpu_node(cluster):
+    """Ray's node start-up sets a SIGTERM handler, which only the main thread may: skipped here
+    (the test process keeps its own)."""
     import ray._private.utils as ray_utils
 
     saved = ray_utils.set_sigterm_handler
@@ -199,6 +217,78 @@ def test_every_gpu_node_lost_exits_3_in_one_line_and_resume_does_only_the_rest(t
     assert _images(out) == [f"{r['prompt_id']}.png" for r in rows]
     new_rows = pq.read_table(out / "telemetry", columns=["run_id", "node_id"]).to_pylist()
     assert {r["node_id"] for r in new_rows if r["run_id"] == again.summary["run_id"]} == set(joined)
+
+
+def _keep_gpu_nodes(cluster, n: int) -> None:
+    """Remove (gracefully) or add GPU nodes until `n` are alive."""
+    while len(cluster.gpu_nodes) > n:
+        cluster.remove_node(cluster.gpu_nodes.pop(), allow_graceful=True)
+    while len(cluster.gpu_nodes) < n:
+        _add_gpu_node(cluster)
+    deadline = time.monotonic() + 60
+    while len(_alive_gpu_nodes()) != n and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(_alive_gpu_nodes()) == n
+
+
+def test_a_gpu_node_joining_mid_run_grows_the_pool_onto_it(tmp_path, cluster):
+    """One GPU node alive, --num-actors 2: the pool starts with 1 actor and may grow to 2
+    (ActorPoolStrategy(min_size=1, max_size=2)); a GPU node joins after 2 images and the pool
+    grows onto it. Images take GROW_PACE_S until an actor is ready on the joined node, 0.3 s
+    after: the job runs as long as the growth takes and no longer (and ends anyway, failing
+    here, if the pool never grows). Leaves the module's cluster with as many GPU nodes as it
+    found."""
+    found = len(cluster.gpu_nodes)
+    try:
+        _keep_gpu_nodes(cluster, 1)
+        first = cluster.gpu_nodes[0].node_id
+        rows = simple_rows(GROW_PROMPTS)
+        out, probe, grown = tmp_path / "out", tmp_path / "placed", tmp_path / "grown"
+        probe.mkdir()
+        cfg = _job(tmp_path, cluster, len(rows), num_actors=2)
+        joined: list[tuple[str, float]] = []
+
+        def join_and_wait_for_its_actor():
+            node = _add_gpu_node(cluster)
+            joined.append((node.node_id, time.time()))
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not any(p["node_id"] == node.node_id for p in placements(probe)):
+                time.sleep(0.2)
+            grown.touch()
+
+        watcher = _when_images(out, 2, join_and_wait_for_its_actor)
+        text = io.StringIO()
+        res = run_job(cfg, stream=text, worker=placed(paced_worker(GROW_PACE_S, until=grown, then_s=0.3), probe))
+        watcher.join()
+        log = text.getvalue()
+        assert res.exit_code == EXIT_OK, log[-3000:]
+        assert "2 actors requested, 1 GPUs fit 1 now: the pool grows as GPU nodes join" in log, log[-3000:]
+        assert len(joined) == 1, "the GPU node did not join (its start failed in the watcher thread)"
+        (new, joined_at), = joined
+        # every prompt exactly once: one image, one telemetry (ledger) row, one metadata row each
+        want = Counter(r["prompt_id"] for r in rows)
+        assert _images(out) == [f"{p}.png" for p in sorted(want)]
+        assert _rows(out) == want
+        meta = pq.read_table(out / "images" / "metadata.parquet", columns=["file_name"])["file_name"].to_pylist()
+        assert Counter(meta) == Counter(f"{p}.png" for p in want)
+        s = res.summary
+        assert (s["ok"], s["failed"], s["actor_restarts"], s["num_actors"], s["engine_actors"]) == (len(rows), 0, 0, 1, 2)
+        # the pool grew onto the joined node: rows from both nodes, one actor on each node's GPU
+        done = pq.read_table(out / "telemetry", columns=["node_id", "finished_at"]).to_pylist()
+        assert {r["node_id"] for r in done} == {first, new}
+        actors = placements(probe)
+        assert sorted(p["node_id"] for p in actors) == sorted([first, new])
+        assert len({(p["node_id"], tuple(p["gpu_ids"])) for p in actors}) == 2
+        assert all(p["gpu_ids"] == ["0"] and p["device"] == "cpu" for p in actors)
+        ready = next(p["ready_at"] for p in actors if p["node_id"] == new)
+        first_row = min(r["finished_at"].timestamp() for r in done if r["node_id"] == new)
+        print(f"[grow] node joined {joined_at - min(p['ready_at'] for p in actors):.1f} s after the first actor was "
+              f"ready; its actor ready {ready - joined_at:.1f} s after it joined, its first row "
+              f"{first_row - joined_at:.1f} s after; rows per node: "
+              f"{dict(Counter('joined' if r['node_id'] == new else 'first' for r in done))}; "
+              f"job {s['job_wall_time_s']:.1f} s")
+    finally:
+        _keep_gpu_nodes(cluster, found)
 
 
 def test_chaos_short_seeded_run_loses_and_duplicates_nothing(cluster):

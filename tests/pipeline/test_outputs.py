@@ -18,7 +18,8 @@ import pytest
 from PIL import Image
 
 from pipeline.config import build_config
-from pipeline.driver import EXIT_OK, run_job
+from pipeline.driver import run_job
+from pipeline.exit_codes import EXIT_OK
 from pipeline.shards import Sample, finalize, sample_key, shard_key, shard_sample_keys, write_shards
 from pipeline.storage import open_storage
 from pipeline_helpers import simple_rows, write_prompts

@@ -14,7 +14,8 @@ import pytest
 
 import pipeline.worker as worker_mod
 from pipeline.config import build_config
-from pipeline.driver import EXIT_OK, run_job
+from pipeline.driver import run_job
+from pipeline.exit_codes import EXIT_OK
 from pipeline.ledger import Ledger, read_telemetry
 from pipeline.progress import Progress, quiet_progress_bars, quiet_ray_data
 from pipeline.progress_sink import RowSink

@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import StorageSettings, build_config
-from pipeline.driver import EXIT_BAD_INPUT, EXIT_STORAGE_UNAVAILABLE, main_guarded
+from pipeline.driver import main_guarded
+from pipeline.exit_codes import EXIT_BAD_INPUT, EXIT_STORAGE_UNAVAILABLE
 from pipeline.prompts import PromptInputError, open_prompts
 from pipeline.retry import StorageUnavailable
 from pipeline.storage import current_umask, image_key, open_storage, safe_name
