@@ -35,8 +35,7 @@ import torch
 from adt_core.bundles.bundle import Bundle
 from adt_core.calibrate import CostTable, Timer
 from adt_core.config import DecodeConfig
-from adt_core.families.contract import Layout, PromptRows, reads_caption_pairs
-from adt_core.results import StepStats
+from adt_core.families.contract import Layout
 from adt_core.round.adaptive import AdaptiveGrid
 from adt_core.round.draft import BatchDrafter, DraftScorer, StaticLevels
 from adt_core.round.forced import ForcedEol
@@ -44,15 +43,12 @@ from adt_core.round.jacobi import jacobi_window, verify_sjd
 from adt_core.round.log import RoundLog
 from adt_core.round.plan import Planner
 from adt_core.round.planners import planner_for
-from adt_core.round.prefill import prefill_rows
 from adt_core.round.sampler import Sampler
 from adt_core.round.sampling import cfg_mix
+from adt_core.round.slot_table import Finished, SlotTable
 from adt_core.round.state import CandidateBatch, RoundOutcome, RoundPlan, Slots, TreeBatch, Verified
 from adt_core.round.tree import rerank_batch
 from adt_core.round.verify import Relaxation, follow_batch, verify_coupled, verify_greedy, verify_stochastic
-
-HOLD = 0.01  # idle batch a split wave may spend waiting to refill together, as a share of an image's rounds
-
 
 @dataclass(frozen=True)
 class DecodeSetup:
@@ -73,16 +69,7 @@ class DecodeSetup:
     max_prompt: int  # the longest prompt row a slot may hold (cache entries before image index 0)
 
 
-@dataclass
-class Finished:
-    index: int
-    prompt: str
-    seed: int
-    tokens: torch.Tensor  # (num_image_tokens,) long, CPU
-    stats: StepStats
-
-
-class BatchDecoder:
+class BatchDecoder(SlotTable):
     def __init__(self, setup: DecodeSetup, capacity: int) -> None:
         self.s, self.capacity = setup, capacity
         self.batch_size = capacity  # the batch its images were admitted to (their telemetry's); `narrow` keeps it
@@ -141,143 +128,6 @@ class BatchDecoder:
 
     def host_rows(self, x: np.ndarray) -> np.ndarray:
         return np.concatenate([x] * self.r)
-
-    # ---- slots --------------------------------------------------------------------------
-    def free(self) -> list[int]:
-        return np.flatnonzero(~self.slots.active).tolist()
-
-    def active(self) -> list[int]:
-        return np.flatnonzero(self.slots.active).tolist()
-
-    def admits_now(self) -> bool:
-        """Whether free slots take new images now (`Generator.rounds` asks before refilling). A
-        probe leaves slots a token or two apart; refilled at once, the wave stays split (plain
-        steps on the cache's ragged path, prefills in small groups). While plain steps are ahead
-        the free slots wait for the rest of the wave, at most HOLD of an image's rounds of idle
-        batch (free fraction x rounds left), and the wave refills together, as `ar`'s does."""
-        s = self.slots
-        a = int(s.active.sum())
-        if a == 0 or a == self.capacity:
-            return True
-        left = int(np.max(self.n - s.host_count[s.active]))
-        if not self.planner.plain_ahead(a, left):
-            return True
-        return (1 - a / self.capacity) * left > HOLD * self.n
-
-    @torch.inference_mode()
-    def admit(self, items: list[tuple[int, str, int]], rows: PromptRows) -> list[Finished]:
-        """Prefill `items` (index, prompt, seed) into free slots from their PromptRows (cond rows,
-        then uncond rows with CFG); returns those already finished (one-token images)."""
-        s, setup, dev = self.slots, self.s, self.s.device
-        t0 = setup.timer.now()
-        n = len(items)
-        if rows.images != n or rows.rows != self.r * n:
-            raise ValueError(f"{rows.rows} prompt rows for {n} images with {self.r} rows each")
-        lengths = rows.lengths.cpu().numpy().astype(np.int64)
-        if int(lengths.max()) > self.base:
-            raise ValueError(f"a prompt row of {int(lengths.max())} entries; this decoder holds {self.base}")
-        free = np.flatnonzero(~s.active)[:n]
-        free_t = torch.from_numpy(free).to(dev)
-        tmp = setup.bundle.target.new_cache(self.r * n, rows.valid.shape[1])
-        logits, hidden = prefill_rows(setup.bundle.target, rows, tmp, lengths)  # (R_n, V), (R_n, L, dim)
-        cache_rows = np.concatenate([free + i * self.capacity for i in range(self.r)])
-        self.row_base[cache_rows] = lengths
-        self.base_col = torch.from_numpy(self.row_base[:, None].copy()).to(dev)
-        seeds = torch.tensor([seed for _, _, seed in items], dtype=torch.long, device=dev)
-        gens = [torch.Generator(device=dev).manual_seed(seed) if setup.sampler.kind == "rejection" else None
-                for _, _, seed in items]
-        first = setup.sampler.sample(cfg_mix(logits, self.scale), seeds, torch.zeros_like(seeds), gens)  # (n,)
-        self.cache.load_rows(torch.cat([free_t + i * self.capacity for i in range(self.r)]), tmp)
-        s.seeds[free_t], s.count[free_t] = seeds, 0
-        s.active[free], s.host_count[free] = True, 0
-        for j, b in enumerate(free):
-            self.meta[b], s.gens[b] = items[j], gens[j]
-        mask = np.zeros(self.capacity, bool)
-        mask[free] = True
-        if self.grid is not None:
-            self.grid.reset(mask)
-        if self.jacobi and self.drafter is not None:
-            self.drafter.reset(mask)
-        elif self.drafter is not None:
-            self._drafter_admit(free, free_t, hidden, first, lengths, rows)
-        one = np.zeros(self.capacity, np.int64)
-        one[free] = 1
-        new = torch.zeros(self.capacity, 1, dtype=torch.long, device=dev)
-        new[free_t, 0] = first
-        s.write(new, torch.from_numpy(one).to(dev), one)
-        self.log.admit(free, (setup.timer.now() - t0) / n)
-        return self._retire()
-
-    def _drafter_admit(self, free: np.ndarray, free_t: torch.Tensor, hidden: torch.Tensor, first: torch.Tensor,
-                       lengths: np.ndarray, rows: PromptRows) -> None:
-        """New images' first pair (h at each row's last prompt position, token 0) into the
-        drafter's ring; LANTERN-style drafters also read the caption pairs now."""
-        mask = np.zeros(self.capacity, bool)
-        mask[free] = True
-        self.drafter.reset(mask)
-        n, dev = len(free), self.s.device
-        h = hidden.view(self.r, n, *hidden.shape[1:])  # (cfg, n, T, dim)
-        if reads_caption_pairs(self.s.bundle.drafter):
-            self.drafter.caption_pairs(free, h)
-        elif rows.tokens is not None:  # a token family's drafter reads the prompt's pairs, as EAGLE's does
-            self.drafter.prompt_pairs(free, rows.tokens.to(dev), hidden, rows.positions.to(dev), lengths)
-        last = torch.zeros(self.r * self.capacity, 1, h.shape[-1], device=dev, dtype=h.dtype)
-        tok = torch.zeros(self.capacity, 1, dtype=torch.long, device=dev)
-        rows = torch.cat([free_t + i * self.capacity for i in range(self.r)])
-        at = torch.from_numpy(lengths - 1).to(dev)  # (R_n,) each row's last prompt entry
-        last[rows, 0] = hidden[torch.arange(self.r * n, device=dev), at]
-        tok[free_t, 0] = first
-        counts = torch.zeros(self.capacity, dtype=torch.long, device=dev)
-        counts[free_t] = 1
-        self.drafter.ring.push(torch.zeros_like(counts), last, tok, counts)
-
-    def _retire(self) -> list[Finished]:
-        s = self.slots
-        done = np.flatnonzero(s.active & (s.host_count >= self.n))
-        if done.size == 0:
-            return []
-        grid = torch.zeros(done.size, self.layout.num_codes, dtype=torch.long)
-        grid[:, : self.n] = s.tokens[torch.from_numpy(done).to(s.tokens.device), : self.n].cpu()
-        out = []
-        for j, b in enumerate(done):
-            index, prompt, seed = self.meta[b]
-            out.append(Finished(index, prompt, seed, grid[j], self.log.finish(b, self.batch_size)))
-            self.meta[b], s.gens[b] = None, None
-        mask = np.zeros(self.capacity, bool)
-        mask[done] = True
-        s.active[mask], s.host_count[mask] = False, 0
-        s.count[torch.from_numpy(mask).to(s.count.device)] = 0
-        host = self.cache.host.copy()
-        host[self.host_rows(mask)] = 0
-        self.cache.set_lengths(host)
-        if self.drafter is not None:
-            self.drafter.reset(mask)
-        return out
-
-    def narrow(self) -> bool:
-        """The batch's tail (no image will be admitted again): once at most half the slots hold
-        an image, those move to slots 0 .. n - 1 of n (the next power of two) and every later
-        round computes n slots, not C: images that speculation left behind cost what n in flight
-        cost, not a full batch of padding (a fixed-length `ar` wave finishes together and never
-        narrows). Outputs are unchanged: a slot's draws depend on its seed and positions only.
-        True when it narrowed."""
-        s = self.slots
-        a = int(s.active.sum())
-        n = 1 << max(a - 1, 0).bit_length()  # (a <= n < 2a)
-        if a == 0 or 2 * n > self.capacity:
-            return False
-        order = np.concatenate([np.flatnonzero(s.active), np.flatnonzero(~s.active)[: n - a]])  # (n,) old slots
-        rows = np.concatenate([order + i * self.capacity for i in range(self.r)])  # (n x cfg rows,)
-        self.cache.narrow(rows)
-        for part in (s, self.grid, self.drafter, self.log):
-            if part is not None:
-                part.narrow(order)
-        self.row_base = self.row_base[rows]
-        self.base_col = torch.from_numpy(self.row_base[:, None].copy()).to(self.s.device)
-        self.meta = [self.meta[i] for i in order]
-        self.planner.narrow(n)
-        self.capacity = n
-        return True
 
     # ---- one round ----------------------------------------------------------------------
     @torch.inference_mode()

@@ -178,7 +178,7 @@ def test_a_split_wave_waits_briefly_to_refill_together_while_plain_steps_are_ahe
     """After a probe leaves slots a token apart, free slots wait for the rest of their wave when
     it finishes within HOLD of an image's rounds of idle batch and the planner expects plain
     steps; otherwise (drafting ahead, a long wait, `ar`) they refill at once."""
-    from adt_core.round.decoder import HOLD
+    from adt_core.round.slot_table import HOLD
 
     bundle = random_bundle(seed=5, vocab=16, grid=(8, 8))  # 64 tokens: HOLD allows 0.64 rounds of idle batch
     g = Generator(bundle, DecodeConfig(method="adt", temperature=0.0, batch_size=4,
