@@ -5,10 +5,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv test run bench calibrate scale chaos clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml infra/docker/requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
+	# the pinned versions first (the job image's), so tests run what ships, not the newest release a range admits
+	$(PIP) install -q -r infra/docker/requirements.txt
 	$(PIP) install -q -e '.[dev,report,t5]'
 	touch $(STAMP)
 
