@@ -43,14 +43,19 @@ METHODS = {
 
 
 def spec_for(method: str) -> dict | None:
-    """A method's DecodeConfig fields: one of METHODS, or "eagle2@DxKxN" (an EAGLE-2 tree of
-    depth D, top-k K, N kept nodes: the hand-sized trees the default is compared with)."""
+    """A method's DecodeConfig fields: one of METHODS, "eagle2@DxKxN" (an EAGLE-2 tree of
+    depth D, top-k K, N kept nodes) or "jacobi@N" (Jacobi trees of ADT-Tree's shapes, N nodes
+    every round: the shape budget with n_min = n_max = N): hand-sized trees the defaults are
+    compared with."""
     name = method.rstrip("'")
     if name in METHODS:
         return METHODS[name]
     if name.startswith("eagle2@"):
         d, k, n = (int(x) for x in name[len("eagle2@"):].split("x"))
         return dict(method="eagle2", tree=TreeConfig(depth=d, top_k=k, budget=n))
+    if name.startswith("jacobi@"):
+        n = int(name[len("jacobi@"):])
+        return dict(method="jacobi", adaptive=AdaptiveConfig(budget="shape", n_min=n, n_max=n))
     return None
 
 

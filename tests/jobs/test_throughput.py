@@ -58,3 +58,14 @@ def test_run_together_charges_every_round_to_its_method(monkeypatch):
     with torch.inference_mode():
         alone = gens["ar"].generate(ps, ss)
     assert [r.tokens.flatten().tolist() for r in alone] == cells["ar"]["tokens"]
+
+
+def test_hand_sized_trees_parse_into_their_configs():
+    """`eagle2@DxKxN` and `jacobi@N` name the hand-sized trees the defaults are compared with."""
+    from adt_core import DecodeConfig
+
+    e = DecodeConfig(**throughput.spec_for("eagle2@6x4x12"))
+    assert (e.method, e.tree.depth, e.tree.top_k, e.tree.budget) == ("eagle2", 6, 4, 12)
+    j = DecodeConfig(**throughput.spec_for("jacobi@4"))
+    assert (j.method, j.adaptive.budget, j.adaptive.n_min, j.adaptive.n_max) == ("jacobi", "shape", 4, 4)
+    assert throughput.spec_for("jacobi") == METHODS["jacobi"] and throughput.spec_for("nope") is None
