@@ -25,16 +25,18 @@ SIZES = (1, 8, 16, 32, 64)
 
 
 class Timer:
-    """Wall-clock milliseconds that wait for the device to finish queued work."""
+    """Wall-clock milliseconds that wait for the device to finish queued work; `cpu=True` on a
+    CPU device: this process's CPU milliseconds instead (what the work itself cost)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, cpu: bool = False) -> None:
         self.cuda = device.type == "cuda"
+        self.clock = time.process_time if cpu and not self.cuda else time.perf_counter
 
     def now(self) -> float:
         """Milliseconds once queued device work is done (waits for a GPU: one host sync)."""
         if self.cuda:
             torch.cuda.synchronize()
-        return time.perf_counter() * 1000.0
+        return self.clock() * 1000.0
 
     def mark(self) -> float:
         """Milliseconds now, without waiting for the device (exact on a CPU; on a GPU the time
@@ -43,7 +45,10 @@ class Timer:
 
 
 def _interp(table: dict[int, float], n: float) -> float:
-    """Linear between measured sizes, linearly extrapolated past the largest."""
+    """Linear between measured sizes; past the largest, linear at the last segment's slope or
+    the slope from the middle size to the largest, whichever is steeper (one reading slowed by
+    other work, the second-largest, must not make far wider forwards look nearly free: a
+    64-slot table whose two largest sizes read alike rated 64-node trees as cheap as 9-node ones)."""
     xs = sorted(table)
     if n <= xs[0]:
         return table[xs[0]]
@@ -53,7 +58,9 @@ def _interp(table: dict[int, float], n: float) -> float:
     if len(xs) == 1:
         return table[xs[0]] * n / xs[0]
     a, b = xs[-2], xs[-1]
-    return table[b] + (table[b] - table[a]) * (n - b) / (b - a)
+    m = xs[(len(xs) - 1) // 2]
+    slope = max((table[b] - table[a]) / (b - a), (table[b] - table[m]) / (b - m))
+    return table[b] + slope * (n - b)
 
 
 @dataclass(frozen=True)
@@ -113,7 +120,9 @@ def _prefilled(cache, prefix: int):
 
 def _fastest_ms(fn, timer: Timer, repeats: int, warmup: int) -> float:
     """The fastest of `repeats` timed calls: other load on a shared machine only ever adds
-    time, so the minimum is the steadiest estimate of the call's own cost."""
+    time, so the minimum is the steadiest estimate of the call's own cost. On a CPU the timer
+    reads this process's CPU time, the clock the rounds are judged by (the planners' `cpu`):
+    wall time there holds whatever else the machine ran meanwhile."""
     times = []
     for i in range(warmup + repeats):
         t0 = timer.now()
@@ -143,7 +152,7 @@ def measure_target_cost(
     prefix = prefix_len
     vocab_size = target.vocab.vocab_size
     max_pos = max_position(target)
-    timer = Timer(dev)
+    timer = Timer(dev, cpu=True)
     causal = lambda n: torch.ones(n, n, dtype=torch.bool, device=dev).tril()  # noqa: E731
     out: dict[int, float] = {}
     for total in sizes:
@@ -174,7 +183,7 @@ def measure_draft_cost(drafter: Drafter, head, cfg_scale: float, rows: int, size
 
     w = drafter.fc.weight
     dim = w.shape[0]
-    timer = Timer(w.device)
+    timer = Timer(w.device, cpu=True)
     mp = max_position(drafter)
     prefix = max(1, min(prefix_len, mp - 1)) if mp is not None else prefix_len
     out: dict[int, float] = {}

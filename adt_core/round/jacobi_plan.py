@@ -12,8 +12,8 @@ comes from a model measured on this device and these images:
 - milliseconds of a round: a plain step's measured ms (`base`) times the cost table's ratio of a
   forward of C (1 + m) tokens to one of C (C the capacity; the ratio made non-decreasing in m),
   plus the measured overhead of a drafted round (scoring, tree building, the carry). Only the
-  table's shape is used: it is timed once, on the wall clock, and a shared machine's load
-  shifts it; the rounds are timed by this process's CPU time on a CPU. While drafting wins, one
+  table's shape is used: it is timed once (on a CPU by this process's CPU time, as the rounds
+  are), and the images' growing rows shift a step's cost since. While drafting wins, one
   plain step every PLAIN_EVERY rounds keeps `base` measured.
 
 M is the width bucket with the best modelled rate; the round drafts when that beats a plain

@@ -242,6 +242,29 @@ def test_batch_budget_compares_adjacent_rounds_only_as_steps_grow_slower():
     assert sum(drafted[6:]) <= 10  # probes only (every few rounds until sure), the interval growing: 32, ..., 512
 
 
+def test_wide_forwards_are_never_extrapolated_as_nearly_free():
+    """Past the largest size the table grows at least at the slope from its middle size: a
+    second-largest reading slowed by other work (the last segment flat) must not make a 64-slot
+    batch's 64-node trees (4160 tokens) look as cheap as its 9-node ones (576)."""
+    slowed = CostTable({64: 100.0, 128: 180.0, 320: 420.0, 448: 800.0, 576: 800.0})
+    assert slowed.cost(4160) >= 800.0 + (800.0 - 420.0) / (576 - 320) * (4160 - 576)
+    assert CostTable({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}).cost(16) == 16.0  # a linear table stays linear
+    assert slowed.cost(448) == 800.0 and slowed.cost(96) == 140.0  # inside the table: as measured
+
+
+def test_calibration_reads_this_processs_cpu_time_on_a_cpu():
+    """The cost table is timed by the clock the CPU rounds are judged by: a wait (another
+    process holding the core) adds nothing to it."""
+    import time
+
+    from adt_core.calibrate import Timer
+
+    cpu, wall = Timer(torch.device("cpu"), cpu=True), Timer(torch.device("cpu"))
+    c0, w0 = cpu.now(), wall.now()
+    time.sleep(0.2)
+    assert cpu.now() - c0 < 50.0 and wall.now() - w0 >= 200.0
+
+
 def test_draft_level_cost_is_measured_once_per_generator_model():
     from adt_core.engine import _COSTS
 
