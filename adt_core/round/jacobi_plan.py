@@ -25,7 +25,10 @@ region, fewer images in flight) is noticed.
 Why not adt's `BatchBudget` verdict: a Jacobi window holds predictions only while rounds verify
 it (a plain step predicts nothing past its root), so one-round alternation would compare drafted
 rounds over a cold window, and a losing verdict would never see a warm one. The first WARM
-rounds of a drafted run after plain steps update no gain for the same reason. Outputs never
+rounds at a width, after plain steps or rounds of another width, update no gain for the same
+reason (the window holds what shallower or deeper trees predicted), and a width's first
+readings are averaged, not pulled from the prior (an estimate that starts at the prior and
+moves a fifth of the way per reading stayed at a third of a width's sustained gain). Outputs never
 depend on any of this (greedy and coupled exactness).
 """
 
@@ -44,8 +47,9 @@ from adt_core.round.state import RoundOutcome, RoundPlan, Slots
 
 WIDTHS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # verify widths the model weighs, cut to adaptive.n_max
 PRIOR = 0.7  # the prior's acceptance of a chain's first level (the j-th: PRIOR^j)
-RUN = 6  # drafted rounds of a probe
-WARM = 2  # drafted rounds after plain steps that update no gain (the window is still cold)
+RUN = 8  # drafted rounds of a probe
+WARM = 2  # drafted rounds of a width, after plain steps or another width, that update no gain
+# (the window still holds what rounds of another depth, or none, predicted)
 PROBE, PROBE_MAX = 8, 256
 PLAIN_EVERY = 48  # drafted rounds between plain steps that measure `base` while drafting wins
 
@@ -59,6 +63,8 @@ class JacobiPlanner(ShapePlanner):
         self.costs, self.capacity, self.cpu = costs, capacity, cpu
         self.widths = tuple(m for m in WIDTHS if m <= cfg.n_max) or (cfg.n_max,)
         self.gain: dict[int, float] = {}  # width -> measured extra tokens per slot and round
+        self.seen: dict[int, int] = {}  # width -> warm rounds measured (the mean of the first 1 / EMA)
+        self.last, self.same = 0, 0  # the last round's width, and drafted rounds in a row at it
         self.base: float | None = None  # measured ms of a plain step
         self.over: float | None = None  # measured ms of a drafted round beyond base x the table's ratio
         self.drafted = 0  # drafted rounds since the last plain step
@@ -76,6 +82,7 @@ class JacobiPlanner(ShapePlanner):
     def adopt(self, earlier: "JacobiPlanner") -> None:
         """Start from what an earlier decoder of the same Generator and capacity measured."""
         self.gain, self.base, self.over, self.probe = dict(earlier.gain), earlier.base, earlier.over, earlier.probe
+        self.seen = dict(earlier.seen)
 
     def share(self, other) -> None:
         """The model is per capacity (nothing is shared)."""
@@ -159,14 +166,17 @@ class JacobiPlanner(ShapePlanner):
         m = plan.nodes
         self.run += 1
         self.drafted += 1
+        self.same = self.same + 1 if m == self.last else 1
+        self.last = m
         if self.run > 1:  # a run's first round pays the switch (and, at start, one-off costs)
             base = self.base if self.base is not None else self.costs.cost(self.capacity)
             extra = self._cost_ms(round_ms) - base * self.ratio(m)
             self.over = extra if self.over is None else self.over + EMA * (extra - self.over)
-        if self.run > WARM:
+        if self.same > WARM:  # a window this width's own rounds filled
             per_slot = float(outcome.accepted.sum()) / max(slots, 1)
-            was = self.gains(m)  # a first measurement moves the model's estimate, not replaces it
-            self.gain[m] = was + EMA * (per_slot - was)
+            n = self.seen[m] = self.seen.get(m, 0) + 1
+            was = self.gain.get(m, per_slot)
+            self.gain[m] = was + max(EMA, 1.0 / n) * (per_slot - was)  # the mean of the first readings, then an EMA
         self._probed()
 
     def _probed(self) -> None:
@@ -177,6 +187,6 @@ class JacobiPlanner(ShapePlanner):
             self.trying = 0
 
     def observe_plain(self, slots: int, round_ms: float) -> None:
-        self.run, self.drafted = 0, 0
+        self.run, self.drafted, self.last, self.same = 0, 0, 0, 0
         ms = self._cost_ms(round_ms)
         self.base = ms if self.base is None else self.base + EMA * (ms - self.base)

@@ -41,3 +41,35 @@ def test_memory_plan_counts_the_window_and_no_drafter_cache():
 def test_lantern_with_the_jacobi_rejection_sampler_is_refused():
     with pytest.raises(ValueError, match="jacobi"):
         DecodeConfig(method="jacobi", lantern=LanternConfig(), sampler="rejection")
+
+
+def test_the_budget_measures_a_width_only_on_a_window_its_own_rounds_filled():
+    """JacobiPlanner: after a switch of width (or plain steps) the first WARM rounds update no
+    gain, and a width's first warm readings are their mean (not a fifth of the way from the prior)."""
+    import numpy as np
+
+    from adt_core.calibrate import CostTable
+    from adt_core.round.adaptive import AdaptiveGrid
+    from adt_core.round.jacobi_plan import WARM, JacobiPlanner
+    from adt_core.round.state import RoundOutcome, RoundPlan
+
+    cfg = AdaptiveConfig()
+    p = JacobiPlanner(16, cfg, AdaptiveGrid(1, (4, 4), cfg), CostTable({1: 10.0, 8: 20.0}), capacity=1)
+    one = lambda v: np.array([v])  # noqa: E731
+
+    def drafted(m: int, accepted: int) -> None:
+        outcome = RoundOutcome(one(accepted), one(2), one(m), np.zeros(3), np.zeros((2, cfg.n_max + 1)))
+        p.observe(RoundPlan(2, 2, m, one(2), one(2), one(m)), outcome, 1, 12.0, 2.0)
+
+    for acc in (0, 0, 3, 1):  # width 4: two cold rounds, then readings 3 and 1
+        drafted(4, acc)
+    assert p.gain[4] == 2.0 and p.seen[4] == 2
+    drafted(8, 0)  # another width: cold for it ...
+    drafted(4, 0)  # ... and width 4 again: its window was filled by width 8
+    assert p.gain[4] == 2.0 and 8 not in p.gain
+    p.observe_plain(1, 10.0)
+    for _ in range(WARM):
+        drafted(4, 0)
+    assert p.gain[4] == 2.0  # still cold after plain steps
+    drafted(4, 5)
+    assert p.gain[4] == 3.0  # the mean of 3, 1, 5
