@@ -31,7 +31,7 @@ from pipeline.telemetry import STATUS_FAILED, STATUS_OK
 STEADY_MIN_S = 10.0  # a steady rate over less time than this is noise (one wave finishing together)
 STEADY_MIN_IMAGES = 20
 PLAIN_NODES_PER_ROUND = 1.0  # fewer draft nodes per round than this: the rounds were mostly plain AR steps
-BUDGET_DOC = 'docs/adt_tree.md ("The cost-aware budget for a batch")'
+BUDGET_DOC = 'docs/adt_tree.md ("The cost budget")'
 
 
 def _percentile(sorted_vals: list[float], q: float) -> float:

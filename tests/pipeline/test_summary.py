@@ -67,7 +67,7 @@ def test_estimated_speedup_says_what_it_compares_with_and_why_it_is_low():
             "with this device's cost table (a model, not a measurement: --baseline-fraction above 0 measures it)") in text
     note = next(line for line in text.splitlines() if line.startswith("note"))
     assert "mostly plain AR steps (0.10 draft nodes per round)" in note and "cost budget" in note
-    assert 'docs/adt_tree.md ("The cost-aware budget for a batch")' in note
+    assert 'docs/adt_tree.md ("The cost budget")' in note
     assert text.splitlines()[-1].startswith("report    python -m jobs.report /data/out")
 
 
