@@ -68,6 +68,9 @@ class CostTable:
     ms: dict[int, float]  # total new tokens in one target forward -> milliseconds (fastest of a few)
     draft_level_ms: float = 0.0  # one draft level of the calibration width for one slot
     draft: dict[int, float] = field(default_factory=dict)  # total frontier tokens of one draft level -> ms
+    # ms a plain step pays per cached key per cache row (its attention's growth with the longest
+    # row): what a batch whose rows are ragged pays over one whose rows grow in lockstep (`key_cost`)
+    key_ms: float = 0.0
 
     def ratio(self, n: int) -> float:
         return self.cost(n) / self.ms[min(self.ms)]
@@ -83,13 +86,14 @@ class CostTable:
         return _interp(self.draft, n) if self.draft else self.draft_level_ms
 
     def to_json(self) -> str:
-        return json.dumps({"ms": self.ms, "draft_level_ms": self.draft_level_ms, "draft": self.draft}, sort_keys=True)
+        return json.dumps({"ms": self.ms, "draft_level_ms": self.draft_level_ms, "draft": self.draft,
+                           "key_ms": self.key_ms}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "CostTable":
         d = json.loads(text)
         return cls({int(k): float(v) for k, v in d["ms"].items()}, float(d.get("draft_level_ms", 0.0)),
-                   {int(k): float(v) for k, v in d.get("draft", {}).items()})
+                   {int(k): float(v) for k, v in d.get("draft", {}).items()}, float(d.get("key_ms", 0.0)))
 
 
 def batch_sizes(slots: int, widest: int = 9) -> tuple[int, ...]:
@@ -169,6 +173,20 @@ def measure_target_cost(
 
         out[total] = _fastest_ms(step, timer, repeats, warmup)
     return CostTable(out)
+
+
+@torch.inference_mode()
+def key_cost(target: Target, rows: int, slots: int, prefix_len: int, longer: int, repeats: int = 3,
+             warmup: int = 1) -> float:
+    """Milliseconds a plain step of `slots` slots pays per cached key per cache row: the step
+    timed on a prefix of `prefix_len` and of `longer` entries (fastest of `repeats` each); the
+    difference over the keys added (never below 0). Attention reads every row up to the longest
+    row's length, so rows at different lengths cost this much per key they lag the longest."""
+    if longer <= prefix_len:
+        return 0.0
+    t = [measure_target_cost(target, rows, (slots,), prefix_len=p, repeats=repeats, warmup=warmup,
+                             slots=slots).ms[slots] for p in (prefix_len, longer)]
+    return max(0.0, (t[1] - t[0]) / (rows * slots * (longer - prefix_len)))
 
 
 @torch.inference_mode()

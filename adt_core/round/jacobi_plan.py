@@ -39,7 +39,7 @@ import time
 import numpy as np
 
 from adt_core.round.adaptive import AdaptiveGrid, shape_budget
-from adt_core.round.budget import EDGE, EMA
+from adt_core.round.budget import EDGE, EMA, Ragged
 from adt_core.calibrate import CostTable
 from adt_core.config import AdaptiveConfig
 from adt_core.round.plan import Planner, ShapePlanner
@@ -73,6 +73,7 @@ class JacobiPlanner(ShapePlanner):
         self.flip = 1  # the next probe's direction
         self.before = 0  # the model's choice when the last probe started
         self.idle, self.probe = 0, PROBE  # plain rounds since the last drafted one; the probe interval
+        self.rows = Ragged(costs.key_ms, n_tokens)  # drafted rounds judged on the rows they leave
         self._c0 = 0.0
 
     @classmethod
@@ -80,9 +81,11 @@ class JacobiPlanner(ShapePlanner):
         return cls(n_tokens, config.adaptive, grid, costs, capacity, cpu=config.device == "cpu")
 
     def adopt(self, earlier: "JacobiPlanner") -> None:
-        """Start from what an earlier decoder of the same Generator and capacity measured."""
-        self.gain, self.base, self.over, self.probe = dict(earlier.gain), earlier.base, earlier.over, earlier.probe
-        self.seen = dict(earlier.seen)
+        """Start from what an earlier decoder of the same Generator and capacity measured (its
+        round times only while it still ran that many slots: a narrowed tail's are of fewer)."""
+        self.gain, self.probe, self.seen = dict(earlier.gain), earlier.probe, dict(earlier.seen)
+        if earlier.capacity == self.capacity:
+            self.base, self.over, self.rows = earlier.base, earlier.over, earlier.rows
 
     def share(self, other) -> None:
         """The model is per capacity (nothing is shared)."""
@@ -90,6 +93,7 @@ class JacobiPlanner(ShapePlanner):
     def narrow(self, capacity: int) -> None:
         """Extra tokens per width are per slot: they stay; a round's times are re-measured."""
         self.capacity, self.base, self.over = capacity, None, None
+        self.rows = Ragged(self.costs.key_ms, self.n)
 
     # ---- the model ------------------------------------------------------------------------
     def ratio(self, m: int) -> float:
@@ -170,7 +174,7 @@ class JacobiPlanner(ShapePlanner):
         self.last = m
         if self.run > 1:  # a run's first round pays the switch (and, at start, one-off costs)
             base = self.base if self.base is not None else self.costs.cost(self.capacity)
-            extra = self._cost_ms(round_ms) - base * self.ratio(m)
+            extra = self.rows.drafted(self._cost_ms(round_ms)) - base * self.ratio(m)
             self.over = extra if self.over is None else self.over + EMA * (extra - self.over)
         if self.same > WARM:  # a window this width's own rounds filled
             per_slot = float(outcome.accepted.sum()) / max(slots, 1)
@@ -185,6 +189,9 @@ class JacobiPlanner(ShapePlanner):
             same = self.choice() == self.before
             self.probe = min(2 * self.probe, PROBE_MAX) if same else PROBE
             self.trying = 0
+
+    def ragged(self, keys: float, full: float) -> None:
+        self.rows.now(keys, full)
 
     def observe_plain(self, slots: int, round_ms: float) -> None:
         self.run, self.drafted, self.last, self.same = 0, 0, 0, 0

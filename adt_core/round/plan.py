@@ -38,7 +38,7 @@ import numpy as np
 from adt_core.calibrate import CostTable
 from adt_core.config import AdaptiveConfig, DecodeConfig
 from adt_core.round.adaptive import AdaptiveGrid, shape_budget
-from adt_core.round.budget import EMA, BatchBudget
+from adt_core.round.budget import EMA, BatchBudget, Ragged
 from adt_core.round.state import Extent, RoundOutcome, RoundPlan, Slots
 
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # drafted nodes per slot a verify may carry
@@ -103,6 +103,11 @@ class Planner:
 
     def observe_plain(self, slots: int, round_ms: float) -> None:
         """A plain step finished."""
+
+    def ragged(self, keys: float, full: float) -> None:
+        """Before a round: the cached keys its forward reads beyond a lockstep batch's, and those
+        of rows spread evenly over an image (`SlotTable.ragged_keys`; adt_core/round/budget.py
+        `Ragged`: how the cost budgets judge rounds on them)."""
 
     def plain_ahead(self, slots: int, rounds: int) -> bool:
         """True when the next `rounds` rounds with `slots` active will be plain steps (never for
@@ -213,6 +218,7 @@ class CostPlanner(ShapePlanner):
         self.level_ms: float | None = None  # measured draft ms per level
         self.drafted = 0  # drafted rounds observed
         self.seen: set[bool] = set()  # kinds of round seen once (the first of each pays one-off costs)
+        self.rows = Ragged(costs.key_ms, n_tokens)  # drafted rounds judged on the rows they leave
 
     @classmethod
     def build(cls, config, n_tokens, grid, costs, capacity) -> "Planner":
@@ -223,6 +229,7 @@ class CostPlanner(ShapePlanner):
         self.guard, self.curves, self.gains = earlier.guard, earlier.curves, earlier.gains
         self.hits, self.conf = earlier.hits, earlier.conf
         self.level_ms, self.drafted, self.seen = earlier.level_ms, earlier.drafted, earlier.seen
+        self.rows = earlier.rows
 
     def share(self, other: "Planner") -> None:
         if isinstance(other, CostPlanner):
@@ -230,8 +237,10 @@ class CostPlanner(ShapePlanner):
 
     def narrow(self, capacity: int) -> None:
         """Acceptance per depth is per image and the guard's verdicts are per slot in flight: both
-        stay; the verify's cost is read for `capacity` slots, the draft level's ms re-measured."""
+        stay; the verify's cost is read for `capacity` slots, the draft level's ms and the rows'
+        spread re-measured."""
         self.capacity, self.level_ms = capacity, None
+        self.rows = Ragged(self.costs.key_ms, self.n)
 
     def _warm(self, drafted: bool) -> bool:
         """False for the first round of a kind: its time holds one-off costs, not the rate."""
@@ -325,7 +334,7 @@ class CostPlanner(ShapePlanner):
             return  # the first drafted round's time holds one-off costs
         self.drafted += 1
         draft_ms *= cost / max(round_ms, 1e-6)  # the draft share of the round, on the same clock
-        self.guard.observe_round(slots, True, cost, slots + int(accepted))
+        self.guard.observe_round(slots, True, self.rows.drafted(cost), slots + int(accepted))
         per_level = draft_ms / plan.levels
         self.level_ms = per_level if self.level_ms is None else self.level_ms + EMA * (per_level - self.level_ms)
 
@@ -370,6 +379,9 @@ class CostPlanner(ShapePlanner):
 
     def plain_ahead(self, slots: int, rounds: int) -> bool:
         return self.guard.plain_ahead(slots, rounds)
+
+    def ragged(self, keys: float, full: float) -> None:
+        self.rows.now(keys, full)
 
     def observe_plain(self, slots: int, round_ms: float) -> None:
         cost = self._cost_ms(round_ms)

@@ -15,6 +15,7 @@ from adt_core.results import StepStats
 from adt_core.round.prefill import prefill_rows
 from adt_core.round.sampling import cfg_mix
 
+NARROW = 0.75  # a batch's tail moves to fewer slots once at most this share of its slots are busy
 HOLD = 0.01  # idle batch a split wave may spend waiting to refill together, as a share of an image's rounds
 
 
@@ -53,6 +54,23 @@ class SlotTable:
         if not self.planner.plain_ahead(a, left):
             return True
         return (1 - a / self.capacity) * left > HOLD * self.n
+
+    def ragged_keys(self) -> tuple[float, float]:
+        """(keys, full): cached keys the next forward reads in all beyond what a lockstep batch
+        would, and as many for rows spread evenly over an image. Attention runs every cache row
+        up to the longest row's length; `ar`'s rows (admitted together, one token each per step)
+        sit at the longest prompt plus the images' common count. keys = cache rows x (longest
+        row - (longest active prompt + the active rows' mean image entries)); full = cache rows
+        x (C - 1) / (C + 1) x half an image's entries (C slots spread evenly: the longest less the
+        mean; 0 for one slot)."""
+        rows = self.cache_rows(np.flatnonzero(self.slots.active))
+        c = self.capacity
+        full = self.cache.rows * (c - 1) / (c + 1) * (self.layout.offset(self.n - 1) + 1) / 2.0
+        if rows.size == 0:
+            return 0.0, full
+        base = self.row_base[rows]
+        lock = base.max() + (self.cache.host[rows] - base).mean()
+        return float(self.cache.rows * max(self.cache.length - lock, 0.0)), float(full)
 
     @torch.inference_mode()
     def admit(self, items: list[tuple[int, str, int]], rows: PromptRows) -> list[Finished]:
@@ -145,18 +163,16 @@ class SlotTable:
         return out
 
     def narrow(self) -> bool:
-        """The batch's tail (no image will be admitted again): once at most half the slots hold
-        an image, those move to slots 0 .. n - 1 of n (the next power of two) and every later
-        round computes n slots, not C: images that speculation left behind cost what n in flight
-        cost, not a full batch of padding (a fixed-length `ar` wave finishes together and never
-        narrows). Outputs are unchanged: a slot's draws depend on its seed and positions only.
-        True when it narrowed."""
+        """The batch's tail (no image will be admitted again): once at most NARROW of the slots
+        hold an image, those move to slots 0 .. a - 1 and every later round computes those a
+        slots, not C: images that speculation left behind cost what a in flight cost, not a full
+        batch of padding (a fixed-length `ar` wave finishes together and never narrows). Outputs
+        are unchanged: a slot's draws depend on its seed and positions only. True when it narrowed."""
         s = self.slots
-        a = int(s.active.sum())
-        n = 1 << max(a - 1, 0).bit_length()  # (a <= n < 2a)
-        if a == 0 or 2 * n > self.capacity:
+        order = np.flatnonzero(s.active)  # (n,) the busy slots, in order
+        n = len(order)
+        if n == 0 or n > NARROW * self.capacity:
             return False
-        order = np.concatenate([np.flatnonzero(s.active), np.flatnonzero(~s.active)[: n - a]])  # (n,) old slots
         rows = self.cache_rows(order)  # (n x cfg rows,)
         self.cache.narrow(rows)
         for part in (s, self.grid, self.drafter, self.log):

@@ -201,3 +201,24 @@ def test_a_split_wave_waits_briefly_to_refill_together_while_plain_steps_are_ahe
     ar.admit(items, rows)
     ar.slots.active[0], ar.slots.host_count[1:] = False, n - 2
     assert ar.admits_now()  # ar never waits (its slots finish together unless a prompt failed)
+
+
+def test_ragged_keys_count_what_attention_reads_past_a_lockstep_batch():
+    """`SlotTable.ragged_keys`: every cache row is read up to the longest row; a lockstep batch
+    (ar's) holds its rows at the longest prompt plus the images' mean count. Rows admitted
+    together read nothing extra; slots 1 and 2 lagging slot 0 by 4 and 2 entries cost
+    rows x (longest - lockstep) keys."""
+    import numpy as np
+
+    bundle = random_bundle(seed=14, vocab=16, grid=(4, 5))
+    g = Generator(bundle, DecodeConfig(method="adt", cfg_scale=3.0, batch_size=3))
+    g.use_costs(COSTS)
+    dec = g.decoder(3)
+    items = list(zip(range(3), PROMPTS[:3], SEEDS[:3]))
+    dec.admit(items, g.prompter.rows(PROMPTS[:3], True))
+    full = 6 * (3 - 1) / (3 + 1) * 20 / 2  # 6 rows; 3 slots spread evenly over 20 entries
+    assert dec.ragged_keys() == (0.0, full)
+    host = dec.cache.host.copy()
+    host += np.tile([6, 2, 4], 2)  # (cond, uncond) rows of slots 0, 1, 2
+    dec.cache.set_lengths(host)
+    assert dec.ragged_keys() == (pytest.approx(6 * (6 - 4)), full)  # 6 rows, longest 6 past the prompt, mean 4
