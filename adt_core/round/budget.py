@@ -38,7 +38,11 @@ from adt_core.calibrate import CostTable
 from adt_core.config import AdaptiveConfig
 
 PROBE_EVERY, PROBE_MAX = 32, 512
-PROBE_NEAR = 3  # while the verdict is not yet sure (a near tie), the loser is probed after this many rounds
+PROBE_RUN = 3  # rounds of a probe: only its last is compared (the first of a kind after the other costs more:
+# at B 1 on emoji16 a plain step right after drafted rounds took 4.19 ms against 3.80 ms for the fifth)
+PROBE_NEAR = 3 * PROBE_RUN  # while the verdict is not yet sure (a near tie), the loser is probed after this many
+# rounds: a quarter of the rounds (a near tie's gap of a few % costs <1%; half of them, with each switch paying
+# ~8% of a round at B 1, lost 6-9%)
 CLEAR_LOSS = 0.6  # a probe this far behind the winner (rate ratio) backs off four-fold
 EMA = 0.2  # the planner's smoothing of its own estimates (acceptance calibration, level cost)
 NEAR = 4  # a round is compared with the other kind's rounds among the NEAR rounds before it
@@ -95,7 +99,7 @@ class BatchBudget:
     plain first, until it has `samples` comparisons; afterwards the losing kind runs only as a
     probe. Near break-even a wrong call costs little and a sure one needs many comparisons: while
     the median log ratio is within SURE standard errors of a tie (`_sure`), the loser is probed
-    every PROBE_NEAR rounds (a sequential test: the comparisons accumulate until the call is
+    every PROBE_NEAR rounds, a probe being PROBE_RUN rounds of which the last is compared (a sequential test: the comparisons accumulate until the call is
     sure); once sure, the probe interval grows to PROBE_MAX."""
 
     def __init__(self, costs: CostTable, cfg: AdaptiveConfig, samples: int = SAMPLES) -> None:
@@ -107,6 +111,7 @@ class BatchBudget:
         self.round = 0  # rounds measured
         self.since_probe = 0
         self.probe_every = PROBE_EVERY  # doubles while probes confirm the winner, up to PROBE_MAX
+        self.probe_run = 0  # rounds of the probe under way so far
 
     def token_ms(self, a: int) -> float:
         """Modelled milliseconds per committed token of a plain AR step with `a` slots."""
@@ -168,8 +173,16 @@ class BatchBudget:
         rate = tokens / max(ms, 1e-6)
         self.round += 1
         before = self._choice(k)
+        probe = before is not None and drafted != before
+        span = NEAR
+        if probe:  # a probe is PROBE_RUN rounds; its first ones pay the switch and are not compared
+            self.probe_run += 1
+            if self.probe_run < PROBE_RUN:
+                self._remember(k, drafted, rate)
+                return  # `since_probe` stays: the probe goes on
+            self.probe_run, span = 0, NEAR + PROBE_RUN - 1
         if drafted != bool(before):  # the rarer kind: compare it with the other kind's rounds just before
-            near = [x for r, x in self.recent.get((k, not drafted), ()) if self.round - r <= NEAR]
+            near = [x for r, x in self.recent.get((k, not drafted), ()) if self.round - r <= span]
             if near:  # their middle (the mean of the middle two of an even count: no bias either way)
                 ref = float(np.median(near))
                 ratios = self.ratios.setdefault(k, [])
@@ -180,12 +193,10 @@ class BatchBudget:
                     self.sure[k] = _sure(ratios, self.samples)
                     if not self.sure[k]:  # a near tie: the loser is measured again soon
                         self.probe_every = min(self.probe_every, PROBE_NEAR)
-        mine = self.recent.setdefault((k, drafted), [])
-        mine.append((self.round, rate))
-        del mine[:-NEAR]
+        self._remember(k, drafted, rate)
         if before is None:
             return
-        if drafted != before:  # a probe of the losing choice
+        if probe:  # a probe of the losing choice
             self.since_probe = 0
             same = self._choice(k) == before
             grow = 2
@@ -198,6 +209,12 @@ class BatchBudget:
                 self.probe_every = min(grow * max(self.probe_every, PROBE_EVERY // 2), PROBE_MAX) if same else PROBE_EVERY
         else:
             self.since_probe += 1
+
+
+    def _remember(self, k: int, drafted: bool, rate: float) -> None:
+        mine = self.recent.setdefault((k, drafted), [])
+        mine.append((self.round, rate))
+        del mine[:-NEAR]
 
 
 def _sure(ratios: list[float], samples: int = SAMPLES) -> bool:

@@ -68,6 +68,8 @@ class JacobiPlanner(ShapePlanner):
         self.base: float | None = None  # measured ms of a plain step
         self.over: float | None = None  # measured ms of a drafted round beyond base x the table's ratio
         self.drafted = 0  # drafted rounds since the last plain step
+        self._ratios: dict[tuple[int, int], float] = {}  # (capacity, width) -> `ratio`
+        self.real: float | None = None  # drafted rounds' measured tokens per slot and charged ms (smoothed)
         self.run = 0  # drafted rounds in a row so far
         self.left, self.trying = 0, 0  # probe rounds left, and the probed width
         self.flip = 1  # the next probe's direction
@@ -85,21 +87,26 @@ class JacobiPlanner(ShapePlanner):
         round times only while it still ran that many slots: a narrowed tail's are of fewer)."""
         self.gain, self.probe, self.seen = dict(earlier.gain), earlier.probe, dict(earlier.seen)
         if earlier.capacity == self.capacity:
-            self.base, self.over, self.rows = earlier.base, earlier.over, earlier.rows
+            self.base, self.over, self.rows, self.real = earlier.base, earlier.over, earlier.rows, earlier.real
 
     def share(self, other) -> None:
         """The model is per capacity (nothing is shared)."""
 
     def narrow(self, capacity: int) -> None:
         """Extra tokens per width are per slot: they stay; a round's times are re-measured."""
-        self.capacity, self.base, self.over = capacity, None, None
+        self.capacity, self.base, self.over, self.real = capacity, None, None, None
         self.rows = Ragged(self.costs.key_ms, self.n)
 
     # ---- the model ------------------------------------------------------------------------
     def ratio(self, m: int) -> float:
-        """The table's forward of C (1 + m) tokens over one of C, non-decreasing in m."""
+        """The table's forward of C (1 + m) tokens over one of C, non-decreasing in m (kept per
+        capacity: the model reads it for every width every round)."""
         c = self.capacity
-        return max([1.0] + [self.costs.cost(c * (1 + w)) / self.costs.cost(c) for w in self.widths if w <= m])
+        key = (c, m)
+        if key not in self._ratios:
+            self._ratios[key] = max([1.0] + [self.costs.cost(c * (1 + w)) / self.costs.cost(c)
+                                             for w in self.widths if w <= m])
+        return self._ratios[key]
 
     def round_ms(self, m: int) -> float:
         """Modelled ms of a round of width m (0: a plain step)."""
@@ -125,8 +132,13 @@ class JacobiPlanner(ShapePlanner):
         return (1 + (self.gains(m) if m else 0.0)) / self.round_ms(m)
 
     def choice(self) -> int:
-        """The width the model rates best (0: a plain step wins)."""
+        """The width the model rates best (0: a plain step wins). The model must also be borne
+        out: drafted rounds as they ran (`real`: their tokens per charged ms, cold windows and
+        the rows' spread included) must have beaten a plain step, or plain steps run (and the
+        probes measure drafting again)."""
         m = max(self.widths, key=self.rate)
+        if self.real is not None and self.real <= EDGE * self.rate(0):
+            return 0
         return m if self.rate(m) > EDGE * self.rate(0) else 0
 
     def _pick(self) -> int:
@@ -174,8 +186,11 @@ class JacobiPlanner(ShapePlanner):
         self.last = m
         if self.run > 1:  # a run's first round pays the switch (and, at start, one-off costs)
             base = self.base if self.base is not None else self.costs.cost(self.capacity)
-            extra = self.rows.drafted(self._cost_ms(round_ms)) - base * self.ratio(m)
+            ms = self.rows.drafted(self._cost_ms(round_ms))  # on the rows drafting leaves
+            extra = ms - base * self.ratio(m)
             self.over = extra if self.over is None else self.over + EMA * (extra - self.over)
+            real = (1 + float(outcome.accepted.sum()) / max(slots, 1)) / max(ms, 1e-6)  # per slot and ms
+            self.real = real if self.real is None else self.real + EMA * (real - self.real)
         if self.same > WARM:  # a window this width's own rounds filled
             per_slot = float(outcome.accepted.sum()) / max(slots, 1)
             n = self.seen[m] = self.seen.get(m, 0) + 1

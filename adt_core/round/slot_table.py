@@ -63,8 +63,10 @@ class SlotTable:
         row - (longest active prompt + the active rows' mean image entries)); full = cache rows
         x (C - 1) / (C + 1) x half an image's entries (C slots spread evenly: the longest less the
         mean; 0 for one slot)."""
-        rows = self.cache_rows(np.flatnonzero(self.slots.active))
         c = self.capacity
+        if c == 1:  # one image: its rows grow together
+            return 0.0, 0.0
+        rows = self.cache_rows(np.flatnonzero(self.slots.active))
         full = self.cache.rows * (c - 1) / (c + 1) * (self.layout.offset(self.n - 1) + 1) / 2.0
         if rows.size == 0:
             return 0.0, full

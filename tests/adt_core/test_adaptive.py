@@ -7,7 +7,7 @@ import torch
 from adt_core import AdaptiveConfig, DecodeConfig, Generator, LanternConfig, random_bundle
 from adt_core.calibrate import CostTable
 from adt_core.round.adaptive import AdaptiveGrid, bisect_update, shape_budget
-from adt_core.round.budget import PROBE_EVERY, BatchBudget
+from adt_core.round.budget import PROBE_EVERY, PROBE_RUN, BatchBudget
 
 CFG = AdaptiveConfig()  # d0 5, k0 10, beta 0.5, d in [2, 8], k in [2, 16], n in [8, 64]
 
@@ -195,16 +195,20 @@ def test_batch_budget_drafts_only_while_it_measures_faster_and_probes():
     assert b.worth_drafting(4)  # then a drafted round
     b.observe_round(4, True, ms=50.0, tokens=6)  # 0.12 tokens/ms: AR wins
     decisions = []
-    for _ in range(3 * PROBE_EVERY + 2):
+    for _ in range(3 * PROBE_EVERY + 3 * PROBE_RUN):
         d = b.worth_drafting(4)
         decisions.append(d)
         b.observe_round(4, d, ms=50.0 if d else 20.0, tokens=6 if d else 4)
     probes = [i for i, d in enumerate(decisions) if d]
-    assert probes == [PROBE_EVERY, 3 * PROBE_EVERY + 1]  # probes only, the interval doubling
+    first, second = PROBE_EVERY, PROBE_EVERY + PROBE_RUN + 2 * PROBE_EVERY
+    run = lambda start: list(range(start, start + PROBE_RUN))  # noqa: E731
+    assert probes == run(first) + run(second)  # probes only, each a run, the interval doubling
     assert not b.worth_drafting(5)  # 4-7 slots share one measurement
     assert not b.worth_drafting(9)  # a new bucket takes plain steps from the nearest measured one
     for _ in range(3):  # drafting got much faster (an easy region): the median of the comparisons moves,
-        b.observe_round(4, True, ms=5.0, tokens=6)  # the verdict is no longer sure: probes come sooner
+        for _ in range(PROBE_RUN):  # the verdict is no longer sure: probes come sooner
+            b.observe_round(4, True, ms=5.0, tokens=6)
+        b.observe_round(4, False, ms=20.0, tokens=4)
     assert not b.sure[3] and b.probe_every < PROBE_EVERY
     for _ in range(3 * PROBE_EVERY):
         d = b.worth_drafting(4)
@@ -224,7 +228,7 @@ def test_one_slow_plain_step_does_not_start_a_run_of_drafts():
         plain_ms = 40.0 if r == 2 else 15.0  # the first explored plain round ran beside other work
         b.observe_round(16, d, ms=35.0 if d else plain_ms, tokens=28 if d else 16)  # drafting: 0.75x
     assert drafted[:6] == [False, True, False, True, False, True] and b.gain[5] < 1.0
-    assert sum(drafted[6:]) <= 8  # then probes only (sooner while fewer than 2 x samples comparisons: not yet sure)
+    assert sum(drafted[6:]) <= 8 * PROBE_RUN  # then probes only (sooner while fewer than 2 x samples comparisons: not yet sure)
 
 
 def test_batch_budget_compares_adjacent_rounds_only_as_steps_grow_slower():
@@ -239,7 +243,7 @@ def test_batch_budget_compares_adjacent_rounds_only_as_steps_grow_slower():
         drafted.append(d)
         b.observe_round(8, d, ms=1.6 * plain_ms if d else plain_ms, tokens=int(8 * 1.44) if d else 8)
     assert drafted[:7] == [False, True, False, True, False, True, False] and b.gain[4] < 1.0  # explored, then plain
-    assert sum(drafted[6:]) <= 10  # probes only (every few rounds until sure), the interval growing: 32, ..., 512
+    assert sum(drafted[6:]) <= 10 * PROBE_RUN  # probes only (every few rounds until sure), the interval growing: 32, ..., 512
 
 
 def test_wide_forwards_are_never_extrapolated_as_nearly_free():
@@ -327,11 +331,11 @@ def test_a_new_slot_count_takes_the_nearest_choice_and_is_measured_only_by_probe
     b.observe_round(4, False, ms=20.0, tokens=4)
     b.observe_round(4, True, ms=50.0, tokens=6)  # 4 slots: plain steps win
     seen = []
-    for _ in range(PROBE_EVERY + 1):  # 64 slots, never measured: a draining or growing batch
+    for _ in range(PROBE_EVERY + PROBE_RUN):  # 64 slots, never measured: a draining or growing batch
         d = b.worth_drafting(64)
         seen.append(d)
         b.observe_round(64, d, ms=200.0 if d else 80.0, tokens=96 if d else 64)
-    assert seen == [False] * PROBE_EVERY + [True]  # no exploration, one probe on the schedule
+    assert seen == [False] * PROBE_EVERY + [True] * PROBE_RUN  # no exploration, one probe on the schedule
     assert not b.probing(64) and b.probe_every == 2 * PROBE_EVERY  # the probe confirmed plain: the interval grew
     assert b.plain_ahead(64, RING) and not b.plain_ahead(64, b.probe_every)  # pairs are kept before a probe
 
@@ -406,12 +410,13 @@ def test_a_drafted_round_is_judged_on_the_rows_drafting_leaves():
     from adt_core.round.state import RoundOutcome, RoundPlan
 
     def verdict(keys: float, full: float) -> bool:
+        """The guard's first verdict (later ones learn from these rows' true spread)."""
         p = _planner(CostTable({1: 10.0, 4: 20.0, 64: 300.0}, key_ms=0.01), slots=4)
         p.seen = {True, False}  # past the first round of each kind
         plan = RoundPlan(1, 1, 1, np.ones(4, int), np.ones(4, int), np.ones(4, int))
         out = RoundOutcome(np.array([1, 1, 1, 0]), np.ones(4, int), np.ones(4, int), np.array([0.0, 2.0]),
                            _curves([[0.5]]))
-        for _ in range(200):
+        while not p.guard.verdict:
             p.ragged(keys, full)
             if p.guard.worth_drafting(4):
                 p.observe(plan, out, 4, round_ms=7 / 0.213, draft_ms=3.0)  # 7 tokens (1.75 per slot)
