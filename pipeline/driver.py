@@ -35,8 +35,9 @@ import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional, TextIO
+from typing import Any, Iterator, Optional, TextIO
 
 import numpy as np
 import pyarrow as pa
@@ -106,10 +107,31 @@ class _Signals:
     def __init__(self):
         self.previous: dict[int, Any] = {}
         self.active = threading.current_thread() is threading.main_thread()
+        self.holding = False
+        self.pending: Optional[int] = None  # a signal that arrived while held
 
     def _handle(self, signum, frame):
         self.restore()
+        if self.holding:
+            self.pending = signum
+            return
         raise JobInterrupted(signum)
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """A signal (or `interrupt`) inside the block raises JobInterrupted when it ends, not in
+        its middle (the pool's teardown: cut short in Ray Data's shutdown, it left actors alive)."""
+        if self.holding:
+            yield
+            return
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+        signum, self.pending = self.pending, None
+        if signum is not None:
+            raise JobInterrupted(signum)
 
     def install(self) -> None:
         if self.active:
@@ -261,7 +283,7 @@ def _generate(run: _Run) -> None:
         t_exec = time.perf_counter()
         bar = run.stream if run.say.terminal else None
         pool = PoolRun(run.cfg, run.source, run.todo, run.ledger, run.say, run.run_id, bar, run.worker, run.pool,
-                       run.signals.interrupt, run.everything)
+                       run.signals.interrupt, run.everything, hold=run.signals.held)
         run.plan = execute(pool)
     except (JobInterrupted, StorageUnavailable, PoolLost) as e:
         run.stopped = e

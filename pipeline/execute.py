@@ -16,7 +16,9 @@ go missing at all: when an actor dies mid-batch Ray retries its whole batch and,
 retry's chunks to the first attempt's by position, passes on only chunks past those already
 delivered; chunks are cut by time as images finish, so positions do not match prompts.
 A `PoolWatch` stops the job (exit 3) when no live node can host an actor for
-node_lost_wait_s.
+node_lost_wait_s. However a pool ends (done, a store down, a signal), its teardown runs with
+signals held and no actor of it is left alive after (pipeline.pool_actors), so a next job in
+the same Ray session finds the resources free.
 
 The generation stage runs under a 1-byte block-size target, so each chunk a worker yields is
 handed on at once instead of being held until Ray Data's default 128 MiB block fills; the
@@ -31,8 +33,9 @@ import math
 import os
 import re
 import signal
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, Optional, TextIO
+from typing import Callable, ContextManager, Optional, TextIO
 
 import pyarrow as pa
 
@@ -45,6 +48,7 @@ from pipeline.progress import Progress, quiet_ray_data
 from pipeline.progress_sink import RowSink
 from pipeline.blocks import stream_chunks
 from pipeline.idset import IdSet, keep_hashes
+from pipeline.pool_actors import PoolActors
 from pipeline.prompts import PromptSource, ids_in
 from pipeline.retry import StorageUnavailable, is_transient
 from pipeline.storage import is_remote
@@ -78,6 +82,9 @@ class PoolRun:
     stats: dict = field(default_factory=dict)  # filled by execute: passes, actor restarts, duplicates dropped
     interrupt: Callable[[], None] = lambda: None  # stops the main thread (raises JobInterrupted there)
     everything: bool = False  # todo is every input prompt: the read needs no filter
+    # holds SIGTERM / SIGINT (and so `interrupt`) until the block ends: the pool's teardown
+    # runs whole (the driver's _Signals.held)
+    hold: Callable[[], ContextManager[None]] = nullcontext
 
 
 class JobInterrupted(BaseException):
@@ -240,15 +247,19 @@ def _pump(run: PoolRun, plan: ActorPlan) -> None:
         raise
     finally:
         try:
-            sink.stop()  # what arrived is written
+            with run.hold():
+                sink.stop()  # what arrived is written (not cut short: the ledger is the main thread's next)
         finally:
             run.stats.update(passes=passes, duplicates_dropped=sink.duplicates,
                              actor_restarts=actor_restarts(run.ledger.actor_ids))
 
 
 def _drain(run: PoolRun, plan: ActorPlan, todo: IdSet, everything: bool, sink: RowSink) -> None:
-    """One pool over `todo`: every chunk it yields into the sink."""
+    """One pool over `todo`: every chunk it yields into the sink. However it ends, its actors
+    are gone when this returns (pipeline.pool_actors: the next pool in this Ray gets their
+    resources)."""
     batches = iter(())
+    actors = PoolActors(run.worker, run.say)
     try:
         batches = iter(_dataset(run, plan, todo, everything).iter_batches(batch_size=None, batch_format="pyarrow"))
         for chunk in batches:
@@ -264,9 +275,13 @@ def _drain(run: PoolRun, plan: ActorPlan, todo: IdSet, everything: bool, sink: R
             raise refused from None
         raise
     finally:
-        close = getattr(batches, "close", None)
-        if close is not None:
-            close()  # stops the pool when we leave early
+        with run.hold():  # an interrupt inside Ray Data's shutdown would leave the actors running
+            try:
+                close = getattr(batches, "close", None)
+                if close is not None:
+                    close()  # stops the pool (Ray Data kills its actors) when we leave early
+            finally:
+                actors.end()  # any actor the teardown left alive
 
 
 def _unreturned(run: PoolRun, todo: IdSet) -> pa.Table:

@@ -31,3 +31,14 @@ def proxy(moto_endpoint):
         yield p
     finally:
         p.close()
+
+
+@pytest.fixture(autouse=True)
+def bounded_actor_wait(request, monkeypatch):
+    """On the session's Ray, a pool whose actors cannot be placed fails in 120 s instead of
+    Ray Data's 30 min (pipeline.execute's default): a job that leaves its actors holding the
+    CPUs makes the next test's job fail, not hang the suite."""
+    if "ray_session" in request.fixturenames:
+        from ray.data import DataContext
+
+        monkeypatch.setattr(DataContext.get_current(), "wait_for_min_actors_s", 120)

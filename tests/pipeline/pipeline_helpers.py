@@ -18,3 +18,14 @@ def write_prompts(path: Path, rows: list[dict], schema: pa.Schema | None = None)
 
 def simple_rows(n: int, start: int = 0, prefix: str = "p") -> list[dict]:
     return [{"prompt_id": f"{prefix}{i:03d}", "prompt": f"a smiling face number {i}", "seed": i} for i in range(start, start + n)]
+
+
+def live_pool_actors(worker: str = "GeneratorWorker") -> set[str]:
+    """Ids of the generator pool actors (Ray Data's `MapWorker(MapBatches(<worker>))`) that the
+    connected Ray does not report dead: the GCS actor table, which Ray's state API reads (the
+    session's Ray runs without the dashboard that ray.util.state.list_actors goes through)."""
+    from ray._private import state
+
+    return {aid for aid, a in state.actors().items()
+            if a["State"] != "DEAD" and a["ActorClassName"].startswith("MapWorker(")
+            and a["ActorClassName"].endswith(f"MapBatches({worker}))")}

@@ -20,7 +20,7 @@ from pipeline.history import run_records
 from pipeline.lease import LEASE_KEY, Lease
 from pipeline.ledger import read_telemetry
 from pipeline.storage import open_storage
-from pipeline_helpers import simple_rows, write_prompts
+from pipeline_helpers import live_pool_actors, simple_rows, write_prompts
 
 FAST = {"method": "ar", "temperature": 0.0}
 
@@ -55,9 +55,11 @@ def test_storage_outage_mid_job_exits_4_and_resume_finishes(tmp_path, ray_sessio
     images = lambda: s3.client.list_objects_v2(Bucket=s3.bucket, Prefix="run/images/").get("KeyCount", 0)  # noqa: E731
     watcher = _when(lambda: images() > 0, proxy.cut)
     out = io.StringIO()
+    before = live_pool_actors()
     res = run_job(cfg, stream=out)
     watcher.join()
     assert res.exit_code == EXIT_STORAGE_UNAVAILABLE, out.getvalue()[-2000:]
+    assert not live_pool_actors() - before  # its pool's actors are gone: the resume below gets their CPUs
     text = out.getvalue()
     assert "storage unavailable" in text and "summary   (not written: storage unavailable)" in text
     proxy.restore()
