@@ -1,8 +1,9 @@
-"""Run by test_gpu_demand.py in its own process: a real local Ray (loopback only) with no
-"fake_gpu" (the custom resource standing in for GPUs). The driver's GPU wait asks the
-autoscaler for two actors' worth through the real `request_resources`, the demand is read
-back from Ray's GCS, the wait ends at its (short) deadline because no node joins, and the
-demand is cleared. Prints one JSON line."""
+"""On a real Ray with no "fake_gpu" (the custom resource standing in for GPUs): the driver's
+GPU wait asks the autoscaler for two actors' worth through the real `request_resources`, the
+demand is read back from Ray's GCS, the wait ends at its (short) deadline because no node
+joins, and the demand is cleared. test_gpu_demand.py runs `probe()` on the session's
+in-process Ray; run as a script, it starts a local Ray of its own (loopback only) and prints
+one JSON line."""
 
 import json
 import sys
@@ -29,22 +30,30 @@ def recorded_demand() -> list:
     return json.loads(raw) if raw else []
 
 
+def probe() -> dict:
+    """The demand as the connected Ray's GCS records it, and after the wait clears it."""
+    out = {}
+    cfg = build_config({"device": "cuda", "num_actors": 2, "gpu_wait_s": 1})
+    demand = plan_gpu_demand(cfg, ray.cluster_resources(), 10, "127.0.0.1:6379", None, resource="fake_gpu")
+
+    def request(bundles):
+        request_resources(bundles=bundles)
+        out["recorded"] = recorded_demand()
+
+    notes = []
+    try:
+        after = wait_for_gpus(demand, notes.append, ray.cluster_resources, request, poll_s=0.2)
+    finally:
+        request_resources(bundles=[])
+    out.update(after=after.get("fake_gpu", 0), bundles=demand.bundles(), notes=notes, cleared=recorded_demand())
+    return out
+
+
 def main(temp_dir: str) -> None:
     ray.init(address="local", num_cpus=1, include_dashboard=False, object_store_memory=80 * 1024**2,
              _temp_dir=temp_dir, _node_ip_address="127.0.0.1")
-    out = {}
     try:
-        cfg = build_config({"device": "cuda", "num_actors": 2, "gpu_wait_s": 1})
-        demand = plan_gpu_demand(cfg, ray.cluster_resources(), 10, "127.0.0.1:6379", None, resource="fake_gpu")
-
-        def request(bundles):
-            request_resources(bundles=bundles)
-            out["recorded"] = recorded_demand()
-
-        notes = []
-        after = wait_for_gpus(demand, notes.append, ray.cluster_resources, request, poll_s=0.2)
-        request_resources(bundles=[])
-        out.update(after=after.get("fake_gpu", 0), bundles=demand.bundles(), notes=notes, cleared=recorded_demand())
+        out = probe()
     finally:
         ray.shutdown()
     print(json.dumps(out))

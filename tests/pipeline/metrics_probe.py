@@ -2,7 +2,7 @@
 endpoint on a loopback port, a generation job in a thread, and the endpoint scraped while
 the job runs until the project's metrics appear. Prints one JSON line.
 
-The job's 80 prompts last several seconds past its first images (~10 images/s on one loaded
+The job's 48 prompts last a few seconds past its first images (~10 images/s on one loaded
 core), where the metrics show up within about a second of the first images: a worker reports
 every 200 ms and the endpoint is scraped every 200 ms."""
 
@@ -21,7 +21,7 @@ import ray
 from pipeline.config import build_config
 from pipeline.driver import run_job
 
-PROMPTS = 80
+PROMPTS = 48
 
 
 def scrape(port: int) -> str:

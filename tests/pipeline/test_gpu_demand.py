@@ -1,25 +1,17 @@
 """GPU demand on a cluster whose GPU nodes autoscale from zero: the plan asks for GPUs,
 waits a bounded, configurable time, then falls back (auto) or fails (cuda). Pure functions on
-hand-written resource dicts and a fake clock, and one real local Ray for the autoscaler
-request; no cluster is simulated here (tests/pipeline/test_multinode.py runs real nodes)."""
+hand-written resource dicts and a fake clock, and the session's real local Ray for the
+autoscaler request; no cluster is simulated here (tests/pipeline/test_multinode.py runs real nodes)."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 
 from pipeline.cluster import (DEFAULT_GPU_WAIT_S, ClusterUnavailable, GpuDemand, gpu_wait_s, plan_actors,
                               plan_gpu_demand, wait_for_gpus)
 from pipeline.config import build_config
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 class Clock:
@@ -95,18 +87,12 @@ def test_pool_watch_ends_the_job_once_no_node_can_host_an_actor_for_the_wait():
 
 
 @pytest.mark.slow
-def test_real_local_ray_records_the_demand_with_a_custom_resource(tmp_path):
-    """A real Ray, `fake_gpu` standing in for GPUs: the autoscaler request lands in Ray's GCS."""
-    temp_dir = tempfile.mkdtemp(prefix="rgd", dir="/tmp")  # short: socket paths have a length limit
-    env = dict(os.environ, PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
-    env.pop("RAY_ADDRESS", None)
-    try:
-        done = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_demand_probe.py")), temp_dir],
-                              env=env, capture_output=True, text=True, timeout=240)
-    finally:
-        shutil.rmtree(temp_dir, ignore_errors=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+def test_real_local_ray_records_the_demand_with_a_custom_resource(ray_session):
+    """A real Ray (the session's), `fake_gpu` standing in for GPUs: the autoscaler request
+    lands in Ray's GCS, and is cleared after."""
+    from gpu_demand_probe import probe
+
+    got = json.loads(json.dumps(probe()))  # as the script would print it
     assert got["bundles"] == [{"fake_gpu": 1.0}, {"fake_gpu": 1.0}]
     assert got["recorded"] and "fake_gpu" in json.dumps(got["recorded"])  # the autoscaler sees the demand
     assert got["after"] == 0 and "0 of 2 fake_gpu joined" in got["notes"][-1]

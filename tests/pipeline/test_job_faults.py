@@ -47,7 +47,7 @@ def _when(cond, then, poll_s=0.05, limit_s=120):
 
 
 def test_storage_outage_mid_job_exits_4_and_resume_finishes(tmp_path, ray_session, proxy, s3):
-    rows = simple_rows(40)
+    rows = simple_rows(20)  # the store is cut at the first image
     src = write_prompts(tmp_path / "p.parquet", rows)
     storage = {"endpoint_url": proxy.endpoint, "retry_budget_s": 1.0, "timeout_s": 2.0}
     out_uri = f"s3://{s3.bucket}/run"
@@ -76,7 +76,7 @@ def test_storage_outage_mid_job_exits_4_and_resume_finishes(tmp_path, ray_sessio
 
 
 def test_sigterm_mid_job_ends_cleanly_with_a_summary(tmp_path, ray_session):
-    rows = simple_rows(60)
+    rows = simple_rows(30)  # SIGTERM at the first durable rows (~1 s in): ~2 s of work still left
     src = write_prompts(tmp_path / "p.parquet", rows)
     tel_dir = tmp_path / "out" / "telemetry"
     previous = signal.signal(signal.SIGTERM, lambda *a: None)  # a late signal must not end pytest

@@ -28,7 +28,7 @@ FAST = {"method": "ar", "temperature": 0.0}
 
 
 def job(tmp_path, src, **over):
-    data = {"job_id": "ds", "bundle": "random:0", "input": str(src), "output": str(tmp_path / "out"), "num_actors": 2,
+    data = {"job_id": "ds", "bundle": "random:0", "input": str(src), "output": str(tmp_path / "out"), "num_actors": 1,
             "batch_size": 3, "decode": FAST, "progress": False}
     data.update(over)
     return build_config(data)
