@@ -37,8 +37,14 @@ def probe() -> dict:
     demand = plan_gpu_demand(cfg, ray.cluster_resources(), 10, "127.0.0.1:6379", None, resource="fake_gpu")
 
     def request(bundles):
-        request_resources(bundles=bundles)
-        out["recorded"] = recorded_demand()
+        # One request slot for the whole cluster: Ray Data's autoscaling coordinator (a detached
+        # actor on a Ray that ran a Dataset, as the session's has) writes its merged requests
+        # there on its own clock. Read back right after; sent again if overwritten in between.
+        for _ in range(3):
+            request_resources(bundles=bundles)
+            out["recorded"] = recorded_demand()
+            if out["recorded"]:
+                break
 
     notes = []
     try:
