@@ -19,8 +19,9 @@ comes from a model measured on this device and these images:
 M is the width bucket with the best modelled rate; the round drafts when that beats a plain
 step's modelled rate by EDGE. Every `probe` rounds a neighbour of the best width (one bucket
 wider or narrower, in turn; the best width itself while plain steps win) runs RUN rounds, the
-interval doubling (to PROBE_MAX) while probes leave the choice as it was, so a change (an easier
-region, fewer images in flight) is noticed.
+interval doubling (to PROBE_MAX; four-fold while drafted rounds ran at under CLEAR of a plain
+step's rate) while probes leave the choice as it was, so a change (an easier region, fewer images
+in flight) is noticed.
 
 Why not adt's `BatchBudget` verdict: a Jacobi window holds predictions only while rounds verify
 it (a plain step predicts nothing past its root), so one-round alternation would compare drafted
@@ -51,6 +52,7 @@ RUN = 8  # drafted rounds of a probe
 WARM = 2  # drafted rounds of a width, after plain steps or another width, that update no gain
 # (the window still holds what rounds of another depth, or none, predicted)
 PROBE, PROBE_MAX = 8, 256
+CLEAR = 0.8  # drafted rounds this far behind a plain step's rate: probes (RUN rounds each) back off four-fold
 PLAIN_EVERY = 48  # drafted rounds between plain steps that measure `base` while drafting wins
 
 
@@ -202,7 +204,8 @@ class JacobiPlanner(ShapePlanner):
         """After a probe's last round: probe less often while the choice stays as it was."""
         if self.left == 0 and self.trying:
             same = self.choice() == self.before
-            self.probe = min(2 * self.probe, PROBE_MAX) if same else PROBE
+            clear = self.real is not None and self.real < CLEAR * self.rate(0)  # drafting far behind
+            self.probe = min((4 if clear else 2) * self.probe, PROBE_MAX) if same else PROBE
             self.trying = 0
 
     def ragged(self, keys: float, full: float) -> None:

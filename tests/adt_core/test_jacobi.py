@@ -73,3 +73,30 @@ def test_the_budget_measures_a_width_only_on_a_window_its_own_rounds_filled():
     assert p.gain[4] == 2.0  # still cold after plain steps
     drafted(4, 5)
     assert p.gain[4] == 3.0  # the mean of 3, 1, 5
+
+
+def test_jacobi_drafts_only_while_its_drafted_rounds_as_they_ran_beat_a_plain_step():
+    """JacobiPlanner: whatever its model of the widths says, the drafted rounds as they ran
+    (`real`: tokens per slot per charged ms) must beat a plain step; probes of a clear loser
+    back off four-fold."""
+    import numpy as np
+
+    from adt_core.calibrate import CostTable
+    from adt_core.round.adaptive import AdaptiveGrid
+    from adt_core.round.jacobi_plan import PROBE, JacobiPlanner
+    from adt_core.round.state import RoundOutcome, RoundPlan
+
+    cfg = AdaptiveConfig()
+    p = JacobiPlanner(256, cfg, AdaptiveGrid(1, (16, 16), cfg), CostTable({1: 10.0, 8: 11.0}), capacity=1)
+    one = lambda v: np.array([v])  # noqa: E731
+    p.observe_plain(1, 10.0)  # 0.1 tokens per ms
+    p.gain = {w: 3.0 for w in p.widths}  # the model: 4 tokens for ~11 ms, a clear win
+    assert p.choice() > 0
+    for _ in range(4):  # drafted rounds as they ran: 1 token in 20 ms
+        outcome = RoundOutcome(one(0), one(2), one(4), np.zeros(3), np.zeros((2, cfg.n_max + 1)))
+        p.observe(RoundPlan(2, 2, 4, one(2), one(2), one(4)), outcome, 1, 20.0, 2.0)
+    p.gain = {w: 3.0 for w in p.widths}
+    assert p.real == pytest.approx(1 / 20.0) and p.choice() == 0
+    p.trying, p.before, p.probe = 4, 0, PROBE  # a probe just ended and confirmed plain steps
+    p._probed()
+    assert p.probe == 4 * PROBE  # drafted rounds at half a plain step's rate: four-fold
