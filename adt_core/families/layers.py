@@ -67,7 +67,8 @@ class RopeTable:
     model to bf16 never rounds the angles; copied once per device on first use."""
 
     def __init__(self, grid_h: int, grid_w: int, cls_len: int, head_dim: int, base: float = 10000.0) -> None:
-        self.table = build_rope_cache(grid_h, grid_w, cls_len, head_dim, base)  # (T + H*W, hd/2, 2)
+        with torch.device("cpu"):  # real numbers even when the model is built on the meta device
+            self.table = build_rope_cache(grid_h, grid_w, cls_len, head_dim, base)  # (T + H*W, hd/2, 2)
         self._on: dict[torch.device, torch.Tensor] = {}
 
     def __len__(self) -> int:

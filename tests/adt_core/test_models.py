@@ -49,6 +49,26 @@ def test_xl_parameter_counts_on_meta():
     assert len(d.state_dict()) == 11
 
 
+def test_rope_table_is_real_when_built_on_meta():
+    """A model built on the meta device and materialised with to_empty (jobs/cost_curves.py's
+    XL target) keeps a real RoPE table: it is not a buffer, so to_empty never fills it."""
+    with torch.device("meta"):
+        m = tiny()
+    assert m.rope.table.device.type == "cpu"
+    assert torch.equal(m.rope.table, tiny().rope.table)
+
+
+def test_caption_rows_follow_the_captions_device():
+    """The uncond row joins the captions on their device (on CUDA the text encoder's states stay
+    on the host while the target sits on the GPU; meta stands in for the other device here)."""
+    from adt_core.families.llamagen.prompt import caption_rows
+
+    m = tiny()
+    caps = torch.empty(2, 6, 16, device="meta")
+    rows = caption_rows(m, caps, torch.ones(2, 6, dtype=torch.bool, device="meta"), cfg=True)
+    assert rows.embeds.device.type == "meta" and rows.embeds.shape == (4, 6, 16)
+
+
 def test_rope_table_layout():
     h, w, cls, hd = 3, 5, 4, 16
     table = build_rope_cache(h, w, cls, hd)

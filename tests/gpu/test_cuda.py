@@ -25,6 +25,7 @@ def run(bundle, **kw):
     ("static", dict(tree=TreeConfig(depth=5))),
     ("adt", dict(adaptive=AdaptiveConfig(budget="shape"))),
     ("adt", dict(adaptive=AdaptiveConfig(budget="cost"))),
+    ("jacobi", dict(adaptive=AdaptiveConfig(budget="cost"))),
 ])
 def test_cuda_fp32_greedy_speculative_equals_vanilla(method, extra):
     bundle = random_bundle(seed=1, vocab=64, grid=(8, 8))
@@ -82,7 +83,7 @@ def test_cuda_fp32_coupled_batched_equals_ar_alone(batch):
     kw = dict(device="cuda", temperature=1.0, top_k=20, cfg_scale=3.0, dtype="float32")
     alone = [Generator(bundle, DecodeConfig(method="ar", batch_size=1, **kw)).generate([p], [i])[0].tokens
              for i, p in enumerate(PROMPTS)]
-    for method in ("ar", "eagle2", "adt"):
+    for method in ("ar", "eagle2", "adt", "jacobi"):
         res = Generator(bundle, DecodeConfig(method=method, batch_size=batch, **kw)).generate(PROMPTS, [0, 1, 2, 3])
         assert all(torch.equal(r.tokens, a) for r, a in zip(res, alone)), method
 
@@ -100,10 +101,3 @@ def test_cuda_emoji16_bf16_coupled_agreement_report():
         print(f"\nbf16 cuda emoji16 coupled {method} vs ar: token agreement {same.float().mean():.4f}, "
               f"identical images {int(same.all(1).sum())}/8, first divergence at {first}")
 
-
-def test_cuda_throughput_report(tmp_path):
-    """`jobs.bench --throughput` on CUDA (printed for the closing note)."""
-    from jobs import bench
-
-    assert bench.main(["--device", "cuda", "--throughput", "--batches", "1,4,16,64", "--passes", "1",
-                       "--temperatures", "0,default", "--json", str(tmp_path / "tp.json")]) == 0

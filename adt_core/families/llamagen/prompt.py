@@ -30,7 +30,7 @@ def caption_rows(target, captions: torch.Tensor, cmask: torch.Tensor, cfg: bool)
     n, t = captions.shape[0], captions.shape[1]
     embeds, valid = captions, cmask
     if cfg:
-        uncond = target.cls_embedding.uncond_embedding.to(captions.dtype)  # (T, C)
+        uncond = target.cls_embedding.uncond_embedding.to(captions.device, captions.dtype)  # (T, C)
         embeds, valid = torch.cat([captions, uncond.expand_as(captions)]), torch.cat([cmask, cmask])
     r = embeds.shape[0]
     positions = torch.arange(t, device=captions.device)[None].expand(r, t)
