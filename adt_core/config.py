@@ -68,6 +68,9 @@ class SamplingConfig:
         return self.cfg_scale != 1.0
 
 
+EAGLE2_TREE = {"depth": 5, "top_k": 10, "budget": 58}  # EAGLE-2's figures for a tree fixed by hand
+
+
 @dataclass(frozen=True)
 class TreeConfig:
     """Shape of the draft tree.
@@ -75,19 +78,26 @@ class TreeConfig:
     depth: draft levels (EAGLE-2 for visual AR: 5 levels).
     top_k: children expanded per node and frontier size per level (EAGLE-2: 10).
     budget: draft nodes kept after reranking (EAGLE-2's "total tokens" minus the root: 58).
+        None for all three (the default): method "eagle2" sizes its tree for this device, every
+        round, from the measured costs and acceptance (adt_core/round/plan.py `SizedEaglePlanner`;
+        58 nodes is a GPU's figure). Any one set fixes the tree by hand, the others taking
+        EAGLE-2's figures (5, 10, 58), as does a static tree.
     static_paths: for method "static", the fixed tree as a list of paths of child ranks,
         e.g. ((0,), (1,), (0, 0)) = two children of the root and one grandchild under the first.
     """
 
-    depth: int = 5
-    top_k: int = 10
-    budget: int = 58
+    depth: int | None = None
+    top_k: int | None = None
+    budget: int | None = None
     static_paths: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("depth", "top_k", "budget"):
+        hand = any(getattr(self, n) is not None for n in EAGLE2_TREE) or self.static_paths is not None
+        for name, paper in EAGLE2_TREE.items():
             v = getattr(self, name)
-            _check(_is_int(v) and v >= 1, f"tree.{name}", "an integer >= 1", v)
+            if v is None and hand:
+                object.__setattr__(self, name, v := paper)
+            _check(v is None or (_is_int(v) and v >= 1), f"tree.{name}", "none or an integer >= 1", v)
         if self.static_paths is not None:
             object.__setattr__(self, "static_paths", tuple(tuple(int(i) for i in p) for p in self.static_paths))
             paths = set(self.static_paths)
@@ -96,6 +106,11 @@ class TreeConfig:
                     raise ValueError(f"static path {p} must be a non-empty tuple of ranks >= 0")
                 if len(p) > 1 and p[:-1] not in paths:
                     raise ValueError(f"static path {p} lacks its parent {p[:-1]}")
+
+    @property
+    def sized(self) -> bool:
+        """Sized for the device by the cost budget (no field set by hand)."""
+        return self.depth is None
 
 
 @dataclass(frozen=True)
@@ -210,6 +225,12 @@ class DecodeConfig:
     def shaped(self) -> bool:
         """Trees shaped by ADT-Tree's controller and sized by `adaptive` (adt, jacobi)."""
         return self.method in SHAPED
+
+    @property
+    def cost_sized(self) -> bool:
+        """Trees sized by the cost budget from this device's measured costs (adt and jacobi with
+        budget "cost"; eagle2 with its tree unset)."""
+        return (self.shaped and self.adaptive.budget == "cost") or (self.method == "eagle2" and self.tree.sized)
 
     @property
     def needs_drafter(self) -> bool:

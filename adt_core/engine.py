@@ -5,8 +5,9 @@ prompt rows (cond, then uncond with CFG; each row its own length), a layout and 
 vocabulary. A row r holds its prompt entries 0 .. base[r] - 1, then image index i at sequence
 position base[r] + layout.offset(i); the target's output one position earlier predicts it (the
 last prompt entry predicts index 0). The engine works in image-index and code space: the
-models read ids (`ImageVocab.to_id`) and give logits over codes. LlamaGen (families/llamagen/prompt.py):
-T caption rows for cond and uncond alike, index i at T + i, id == code.
+models read ids (`ImageVocab.to_id`) and give logits over codes. What each family's rows and
+layout are is its own folder's business (adt_core/families/<family>/prompt.py); the engine reads
+only the contract.
 
 A Generator fixes, once, everything a decode needs (`DecodeSetup`: the sampler strategy, the
 drafter's scorer, the cost table of the cost budget, LANTERN's relaxation) and streams prompts
@@ -114,7 +115,7 @@ class Generator:
     def decoder(self, capacity: int) -> BatchDecoder:
         """A BatchDecoder of `capacity` slots over this Generator's fixed set-up."""
         self._place_models()
-        costs = self.cost_table() if self.config.shaped and self.config.adaptive.budget == "cost" else None
+        costs = self.cost_table() if self.config.cost_sized else None
         setup = DecodeSetup(self.bundle, self.config, self.sampler, self.scorer, self.cfg_rows, self.num_tokens,
                             self.device, self.timer, costs, self.relaxation(), self._planners, self.prompter,
                             self._max_prompt())

@@ -41,7 +41,7 @@ def method_specs(lantern: LanternConfig) -> dict[str, dict]:
     return {
         "ar": dict(method="ar"),
         "static": dict(method="static", tree=TreeConfig(depth=5)),
-        "eagle2": dict(method="eagle2", tree=TreeConfig(depth=5, top_k=10, budget=58)),
+        "eagle2": dict(method="eagle2"),  # its default: the tree sized for this device
         "adt": dict(method="adt", adaptive=AdaptiveConfig()),
         "adt+cost": dict(method="adt", adaptive=AdaptiveConfig(budget="cost")),
         "adt+lantern": dict(method="adt", adaptive=AdaptiveConfig(), lantern=lantern),

@@ -36,7 +36,7 @@ from adt_core.results import PromptFailure
 
 METHODS = {
     "ar": dict(method="ar"),
-    "eagle2": dict(method="eagle2", tree=TreeConfig(depth=5, top_k=10, budget=58)),
+    "eagle2": dict(method="eagle2"),  # its default: the tree sized for this device (eagle2@5x10x58: the paper's)
     "adt": dict(method="adt", adaptive=AdaptiveConfig(budget="cost")),
     "jacobi": dict(method="jacobi", adaptive=AdaptiveConfig(budget="cost")),  # no drafter model
 }

@@ -123,13 +123,15 @@ def wait_for_gpus(demand: GpuDemand, say: Callable[[str], None], resources_fn: C
                   sleep: Callable[[float], None] = time.sleep, poll_s: float = GPU_POLL_S) -> dict[str, float]:
     """Ask for `demand` (request_fn(bundles=...), i.e. request_resources) and poll the
     cluster until every actor's GPUs are there or `demand.wait_s` passed; returns the
-    resources seen last (the pool then takes what fits, and grows as more nodes join)."""
-    request_fn(bundles=demand.bundles())
+    resources seen last (the pool then takes what fits, and grows as more nodes join). The
+    request is sent again at every poll: the cluster keeps one request slot, and Ray Data's
+    autoscaling coordinator (once a Dataset ran) overwrites it with its own on its own clock."""
     say(f"asking the autoscaler for {demand.actors} x {demand.per_actor:g} {demand.resource}; "
         f"waiting up to {demand.wait_s:g} s (gpu_wait_s) for them to join")
     start = clock()
     deadline = start + demand.wait_s
     while True:
+        request_fn(bundles=demand.bundles())
         res = resources_fn()
         have = float(res.get(demand.resource, 0.0))
         if have >= demand.needed:

@@ -37,10 +37,13 @@ FIELD_DOCS: dict[str, str] = {
     "top_k": "Top-k sampling filter (0 = off); none = the bundle's default.",
     "top_p": "Top-p (nucleus) filter, in (0, 1]; none = the bundle's default.",
     "cfg_scale": "Classifier-free guidance scale (>= 1; 1 runs no unconditional row); none = the bundle's default.",
-    "tree": "Draft tree of methods eagle2 and static (adt shapes its own trees: decode.adaptive).",
-    "tree.depth": "Draft levels per round (eagle2; static trees are cut to this depth).",
-    "tree.top_k": "Children expanded per node and frontier size per level (eagle2).",
-    "tree.budget": "Draft nodes kept after reranking, verified per round (eagle2).",
+    "tree": "Draft tree of methods eagle2 and static (adt shapes its own trees: decode.adaptive). All three of "
+            "depth, top_k, budget unset: eagle2 sizes its tree for this device from the measured costs and "
+            "acceptance (within decode.adaptive's d_max and n_max); any one set fixes it by hand, the others "
+            "taking EAGLE-2's 5, 10, 58.",
+    "tree.depth": "Draft levels per round (eagle2; static trees are cut to this depth); none = sized for the device.",
+    "tree.top_k": "Children expanded per node and frontier size per level (eagle2); none = sized for the device.",
+    "tree.budget": "Draft nodes kept after reranking, verified per round (eagle2); none = sized for the device.",
     "tree.static_paths": "Method static: the fixed tree as a list of paths of child ranks, e.g. [[0], [1], [0, 0]] = "
                          "two children of the root and one grandchild under the first (every path's parent listed); "
                          "none = a built-in 25-node, 5-level tree.",

@@ -21,7 +21,7 @@ cost(A (1 + m)) whatever the slots' individual trees. The budget, per round:
    images, another batch size) is noticed at a small cost.
    This uses the clock because the drafter's real cost per level (bookkeeping, scoring, tree
    building) is what decides; shapes and outputs stay exact either way.
-2. levels and nodes (`CostPlanner`, adt_core/round/plan.py), decided on the host before the round
+2. levels and nodes (`CostPlanner`, adt_core/round/cost_plan.py), decided on the host before the round
    from what the previous drafted rounds showed (their candidates' path confidences, calibrated
    by the tokens they actually committed) and the measured `CostTable`: nodes m maximise
    (A + expected accepted tokens) / (cost(A (1 + m)) + draft time) over a few width buckets;

@@ -136,7 +136,8 @@ class BatchDecoder(SlotTable):
         if not self.slots.active.any():
             return []
         t0 = self.s.timer.mark()
-        self.planner.ragged(*self.ragged_keys())
+        if self.planner.reads_rows:
+            self.planner.ragged(*self.ragged_keys())
         plan = self.planner.plan(self.slots)
         if plan is not None and self.forced is not None:
             plan = self.forced.within_row(plan, self.slots)

@@ -40,9 +40,10 @@ import time
 import numpy as np
 
 from adt_core.round.adaptive import AdaptiveGrid, shape_budget
-from adt_core.round.budget import EDGE, EMA, Ragged
+from adt_core.round.budget import EDGE, EMA
 from adt_core.calibrate import CostTable
 from adt_core.config import AdaptiveConfig
+from adt_core.round.cost_plan import RowsJudged
 from adt_core.round.plan import Planner, ShapePlanner
 from adt_core.round.state import RoundOutcome, RoundPlan, Slots
 
@@ -56,7 +57,7 @@ CLEAR = 0.8  # drafted rounds this far behind a plain step's rate: probes (RUN r
 PLAIN_EVERY = 48  # drafted rounds between plain steps that measure `base` while drafting wins
 
 
-class JacobiPlanner(ShapePlanner):
+class JacobiPlanner(RowsJudged, ShapePlanner):
     """ADT-Tree's per-slot shapes with the verify width from a measured cost model."""
 
     def __init__(self, n_tokens: int, cfg: AdaptiveConfig, grid: AdaptiveGrid, costs: CostTable, capacity: int,
@@ -77,7 +78,7 @@ class JacobiPlanner(ShapePlanner):
         self.flip = 1  # the next probe's direction
         self.before = 0  # the model's choice when the last probe started
         self.idle, self.probe = 0, PROBE  # plain rounds since the last drafted one; the probe interval
-        self.rows = Ragged(costs.key_ms, n_tokens)  # drafted rounds judged on the rows they leave
+        self.fresh_rows()  # drafted rounds judged on the rows they leave
         self._c0 = 0.0
 
     @classmethod
@@ -97,7 +98,7 @@ class JacobiPlanner(ShapePlanner):
     def narrow(self, capacity: int) -> None:
         """Extra tokens per width are per slot: they stay; a round's times are re-measured."""
         self.capacity, self.base, self.over, self.real = capacity, None, None, None
-        self.rows = Ragged(self.costs.key_ms, self.n)
+        self.fresh_rows()
 
     # ---- the model ------------------------------------------------------------------------
     def ratio(self, m: int) -> float:
@@ -207,9 +208,6 @@ class JacobiPlanner(ShapePlanner):
             clear = self.real is not None and self.real < CLEAR * self.rate(0)  # drafting far behind
             self.probe = min((4 if clear else 2) * self.probe, PROBE_MAX) if same else PROBE
             self.trying = 0
-
-    def ragged(self, keys: float, full: float) -> None:
-        self.rows.now(keys, full)
 
     def observe_plain(self, slots: int, round_ms: float) -> None:
         self.run, self.drafted, self.last, self.same = 0, 0, 0, 0

@@ -6,8 +6,9 @@ from __future__ import annotations
 from adt_core.calibrate import CostTable
 from adt_core.config import DecodeConfig
 from adt_core.round.adaptive import AdaptiveGrid
+from adt_core.round.cost_plan import CostPlanner, SizedEaglePlanner
 from adt_core.round.jacobi_plan import JacobiPlanner
-from adt_core.round.plan import CostPlanner, EaglePlanner, Planner, ShapePlanner, StaticPlanner
+from adt_core.round.plan import EaglePlanner, Planner, ShapePlanner, StaticPlanner
 from adt_core.round.state import Extent
 
 
@@ -16,7 +17,7 @@ def planner_class(config: DecodeConfig) -> type[Planner]:
     if config.method == "ar":
         return Planner
     if config.method == "eagle2":
-        return EaglePlanner
+        return SizedEaglePlanner if config.tree.sized else EaglePlanner
     if config.method == "static":
         return StaticPlanner
     if config.adaptive.budget == "cost":

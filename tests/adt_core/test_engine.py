@@ -204,7 +204,7 @@ def test_stochastic_decoding_is_lossless(method, tree, adaptive, sampler, monkey
         from adt_core.round.budget import BatchBudget
 
         monkeypatch.setattr(BatchBudget, "worth_drafting", lambda self, a: True)  # draft every round
-        monkeypatch.setattr("adt_core.round.plan.VETO", 0.0)  # whatever the model expects
+        monkeypatch.setattr("adt_core.round.cost_plan.VETO", 0.0)  # whatever the model expects
         _COSTS[bundle.target] = {("cpu", "float32", 2, decode.batch_size): CostTable(
             {1: 10.0, 8: 10.5, 16: 11.0, 32: 12.0, 64: 14.0, 128: 20.0}, draft_level_ms=0.5)}  # drafting pays
     probs = exact_joint(bundle, prompt, s, 4)

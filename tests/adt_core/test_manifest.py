@@ -248,7 +248,7 @@ def test_memory_plan_of_llamagen_xl_512():
     assert ar.target_kv_per_image == 2 * 36 * 2 * 1280 * (120 + 1024 + 2) * 2  # CFG rows x layers x k,v x width
     assert ar.workspace_bytes == 4 * 128 * 512 * 512 * 4  # estimate: one image decoded to pixels
     spec = bundle_plan(bundle, DecodeConfig(method="eagle2", dtype="bfloat16"), 141 * GB)
-    widest = DecodeConfig().tree.budget
+    widest = DecodeConfig().adaptive.n_max  # eagle2's tree sized for the device: at most n_max nodes
     assert spec.target_kv_per_image == 2 * 36 * 2 * 1280 * (120 + 1024 + widest + 2) * 2
     assert spec.drafter_kv_per_image > 0 and spec.per_image > ar.per_image
     assert 64 == spec.images < spec.fits  # decode.batch_size caps it

@@ -115,6 +115,6 @@ def test_job_plan_of_7b_bundles(meta_7b, layout, device, method, expected):
     assert plan.images == expected and plan.rows_per_image == 2
     assert 14.7 * GB < plan.weights_total < 15.0 * GB  # bf16 target + drafter, fp32 VQGAN
     span = p.layout.offset(p.layout.num_codes - 1) + 1  # 48 x 49 - 1 (Lumina), 1024 (Anole)
-    widest = extent(config).nodes  # 0 (ar), 58 (eagle2's budget), 64 (adt's n_max bucket)
+    widest = extent(config).nodes  # 0 (ar), 64 (eagle2 sized for the device, adt: the n_max bucket)
     assert plan.tokens_per_row == 512 + span + widest + 2  # the engine's prompt budget + image + one tree
     assert f"{expected} image(s) in flight on a {device:.1f} GB device" in plan.line()

@@ -18,11 +18,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 echo "== CUDA exactness tests"
 timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/gpu -s 2>&1 | tail -40 | tee "$OUT/cuda_tests.txt"
 echo "== throughput on the deep-target stand-in (emoji16 at the depth of a 32-layer target; same images)"
-timeout 190 "$PY" -m jobs.bench --throughput --target-layers 32 --methods ar,eagle2,adt,jacobi \
+timeout 190 "$PY" -m jobs.bench --throughput --target-layers 32 --methods ar,eagle2,adt,jacobi,eagle2@5x10x58 \
     --batches 1,4,16,64 --temperatures 0,default --min-images 4 --passes 1 --device cuda \
     --json "$OUT/throughput_deep32.json" 2>&1 | tee "$OUT/throughput_deep32.txt"
 echo "== throughput on shipped emoji16"
-timeout 100 "$PY" -m jobs.bench --throughput --methods ar,eagle2,adt,jacobi --batches 1,4,16,64 --temperatures 0,default \
+timeout 100 "$PY" -m jobs.bench --throughput --methods ar,eagle2,adt,jacobi,eagle2@5x10x58 --batches 1,4,16,64 --temperatures 0,default \
     --min-images 8 --passes 1 --device cuda --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.txt"
 echo "== cost curves"
 timeout 50 "$PY" -m jobs.bench --cost-curves --xl --device cuda --json "$OUT/cost_curves.json" 2>&1 | tee "$OUT/cost_curves.txt"

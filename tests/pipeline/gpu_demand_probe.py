@@ -39,9 +39,12 @@ def probe() -> dict:
     def request(bundles):
         # One request slot for the whole cluster: Ray Data's autoscaling coordinator (a detached
         # actor on a Ray that ran a Dataset, as the session's has) writes its merged requests
-        # there on its own clock. Read back right after; sent again if overwritten in between.
+        # there on its own clock (so wait_for_gpus sends it at every poll). Read back right after
+        # the first sends; sent again if overwritten in between.
         for _ in range(3):
             request_resources(bundles=bundles)
+            if out.get("recorded"):
+                break
             out["recorded"] = recorded_demand()
             if out["recorded"]:
                 break

@@ -56,7 +56,7 @@ def test_no_gpus_after_the_wait_falls_back_or_fails_clearly():
     clock, asked = Clock(), []
     res = wait_for_gpus(GpuDemand(2, 1.0, 60), lambda m: None, lambda: {"CPU": 8.0}, lambda bundles: asked.append(bundles),
                         clock=lambda: clock.now, sleep=clock.sleep)
-    assert asked == [[{"GPU": 1.0}] * 2] and clock.now == 60
+    assert len(asked) > 1 and all(a == [{"GPU": 1.0}] * 2 for a in asked) and clock.now == 60  # sent at every poll
     auto = plan_actors(build_config({"num_actors": 2}), res, 10, can_grow=True, waited_s=60)
     assert auto.device == "cpu" and "after waiting 60 s" in auto.notes[0]
     with pytest.raises(ClusterUnavailable, match=r"after waiting 60 s for the autoscaler \(--gpu-wait-s\)"):

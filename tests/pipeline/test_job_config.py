@@ -14,7 +14,7 @@ def test_defaults_fill_job_id_and_output():
     cfg = build_config({})
     assert cfg.job_id and cfg.output == f"outputs/{cfg.job_id}"
     assert cfg.input == "examples/prompts.parquet" and cfg.bundle == "emoji16"
-    assert cfg.decode.method == "adt" and cfg.decode.adaptive.budget == "cost" and cfg.decode.tree.depth == 5
+    assert cfg.decode.method == "adt" and cfg.decode.adaptive.budget == "cost" and cfg.decode.tree.depth is None  # eagle2: sized for the device
 
 
 def test_decode_defaults_are_the_engines():
