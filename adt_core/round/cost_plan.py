@@ -68,13 +68,15 @@ class CostPlanner(RowsJudged, ShapePlanner):
     expected accepted tokens), learned per depth from the drafted rounds' pools (smoothed), and
     cal the ratio of the tokens rounds committed to what their kept nodes' confidences promised.
     Each side also pays its measured bookkeeping (`over`, `plain_over`: a round's ms beyond the
-    table's forward and its levels): on a launch-bound GPU a drafted round's scoring, tree and
-    commit cost about a target step, which only a deeper tree amortises.
+    table's forward and its levels; a drafted round's grows with its nodes as the forward does):
+    on a launch-bound GPU a drafted round's scoring, tree and commit cost about a target step,
+    which only a deeper tree amortises.
     A depth never drafted is tried one level past the deepest that won (and again every EXPLORE
     drafted rounds), so the tree grows where levels pay. Each slot's own depth and width stay the
     ADT-Tree controller's (adjacency init, bisection), capped by D."""
 
     EXPLORE = 16  # drafted rounds between tries of one level past the chosen depth
+    reads_curves = True
 
     def __init__(self, n_tokens: int, cfg: AdaptiveConfig, grid: AdaptiveGrid, costs: CostTable, capacity: int,
                  cpu: bool = False) -> None:
@@ -90,8 +92,10 @@ class CostPlanner(RowsJudged, ShapePlanner):
         self.curves: dict[int, np.ndarray] = {}  # depth D -> (n_max + 1,) expected accepted tokens per slot, m nodes
         self.gains: dict[int, np.ndarray] = {}  # depth j -> (n_max + 1,) smoothed gain of level j over depth j - 1
         self.level_ms: float | None = None  # measured draft ms per level
-        self.over: float | None = None  # measured ms of a drafted round beyond its forward and levels
+        self.over: float | None = None  # measured ms of a drafted round beyond its forward and levels, per
+        # unit of the forward's cost ratio to a plain step's (`_grows`)
         self.plain_over: float | None = None  # measured ms of a plain step beyond its forward
+        self._fwds: dict[tuple[int, int], float] = {}  # (capacity, m) -> `_fwd`
         self.drafted = 0  # drafted rounds observed
         self.seen: set[bool] = set()  # kinds of round seen once (the first of each pays one-off costs)
         self.fresh_rows()  # drafted rounds judged on the rows they leave
@@ -155,6 +159,22 @@ class CostPlanner(RowsJudged, ShapePlanner):
         expected = c * sum(PRIOR ** j for j in range(1, min(levels, nodes) + 1))
         return (c + expected) / (self.costs.cost(c * (1 + nodes)) + levels * self._level_cost(c, width))
 
+    def _fwd(self, m: int) -> float:
+        """The table's ms of a verify forward of m nodes on every slot (kept per capacity and m:
+        the model reads it for every shape every round)."""
+        key = (self.capacity, m)
+        if key not in self._fwds:
+            self._fwds[key] = self.costs.cost(self.capacity * (1 + m))
+        return self._fwds[key]
+
+    def _grows(self, m: int) -> float:
+        """How a drafted round's bookkeeping grows with its nodes: as the verify forward does
+        (the table's forward of C (1 + m) tokens over one of C). Both are work over the same
+        (C, 1 + m) tensors: flat where launches dominate (a GPU), growing where arithmetic does
+        (a CPU, where a constant charge sized larger trees and ran 1-2% slower in the four
+        stand-in cells measured)."""
+        return max(1.0, self._fwd(m) / self._fwd(0))
+
     def plain_ms(self) -> float:
         """Modelled ms of a plain step of the full batch: the table's forward and its bookkeeping."""
         return self.costs.cost(self.capacity) + (self.plain_over or 0.0)
@@ -188,14 +208,14 @@ class CostPlanner(RowsJudged, ShapePlanner):
         """(D, M, modelled tokens per ms) of every learned depth and node bucket, `a` slots
         (kept=False: the table's alone, bookkeeping not counted)."""
         cal = self.calibration()
-        over = (self.over or 0.0) if kept else 0.0
+        over = (self.over or 0.0) if kept else 0.0  # x _grows(m): the bookkeeping of m nodes
         below = expected_at = 0.0  # curve of depth d - 1; (n_max + 1,) calibrated tokens of depth <= d
         for d, curve in sorted(self.curves.items()):
             expected_at, below = expected_at + cal[d] * (curve - below), curve
             draft = d * self._level_cost(a, width)
             for m in self._widths(d, width):
                 expected = a * expected_at[min(m, len(expected_at) - 1)]
-                yield d, m, (a + expected) / (self.costs.cost(self.capacity * (1 + m)) + draft + over)
+                yield d, m, (a + expected) / (self._fwd(m) + draft + over * self._grows(m))
 
     def ceiling(self) -> tuple[int, int, float]:
         """(D, M, x): the tree the model rates best for a full batch at what it has measured (the
@@ -220,7 +240,8 @@ class CostPlanner(RowsJudged, ShapePlanner):
         self.guard.observe_round(slots, True, charged, slots + int(accepted))
         per_level = draft_ms / plan.levels
         self.level_ms = _smooth(self.level_ms, per_level)
-        self.over = _smooth(self.over, charged - self.costs.cost(self.capacity * (1 + plan.nodes)) - draft_ms)
+        extra = charged - self._fwd(plan.nodes) - draft_ms
+        self.over = _smooth(self.over, extra / self._grows(plan.nodes))
 
     def _learn_acceptance(self, outcome: RoundOutcome, slots: int) -> None:
         levels = np.arange(1, len(outcome.level_conf))

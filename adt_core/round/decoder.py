@@ -174,7 +174,7 @@ class BatchDecoder(SlotTable):
             logits, hidden = setup.bundle.target(pos, self.cache.attn_mask(causal), self.cache, tokens=tokens)
             r_eol = self.rows(eol_t)
             logits, hidden = self.forced.root_entry(logits, r_eol), self.forced.root_entry(hidden, r_eol)
-        new = setup.sampler.sample(cfg_mix(logits[:, 0], self.scale), s.seeds, s.count, s.gens)  # (C,)
+        new = setup.sampler.sample(cfg_mix(logits[:, 0], self.scale), s.keys, s.count, s.gens)  # (C,)
         grow = active.astype(np.int64)
         self.cache.set_lengths(start + self.host_rows(grow if eol is None else grow + eol))
         counts = torch.from_numpy(grow).to(dev)
@@ -194,7 +194,7 @@ class BatchDecoder(SlotTable):
         slots in it and its draft ms."""
         s, setup, dev = self.slots, self.s, self.s.device
         active, position = s.active.copy(), s.host_count.copy()
-        noise = setup.sampler.noise(s.seeds, s.count, plan.levels + 1)  # (C, D + 1, V) or None
+        noise = setup.sampler.noise(s.keys, s.count, plan.levels + 1)  # (C, D + 1, V) or None
         pool = self.drafter.propose(plan, s, noise, self._static(plan.levels))
         t1 = setup.timer.mark()
         tree = rerank_batch(pool, plan.nodes, torch.from_numpy(plan.budget).to(dev), s.roots(), plan.levels)
@@ -244,18 +244,18 @@ class BatchDecoder(SlotTable):
         """Everything the host needs from this round, in one device -> host copy."""
         c = self.capacity
         live = tree.valid & (tree.depths > 0) & active[:, None]  # (C, 1 + M) drafted nodes of active slots
-        conf = torch.where(live, tree.scores.double().exp(), 0.0)
-        level_conf = torch.zeros(levels + 1, dtype=torch.float64, device=conf.device)
-        level_conf.scatter_add_(0, tree.depths.flatten(), conf.flatten())
-        curves = self._curves(pool, active, levels)
         depth = torch.where(tree.valid, tree.depths, 0).max(1).values
-        nodes = live.sum(1)
-        flat = torch.cat([ver.accepted.double(), depth.double(), nodes.double(), level_conf, curves.flatten()])
-        flat = flat.cpu().numpy()
+        parts = [ver.accepted.double(), depth.double(), live.sum(1).double()]
+        if self.planner.reads_curves:  # what the cost budget learns acceptance from
+            conf = torch.where(live, tree.scores.double().exp(), 0.0)
+            level_conf = torch.zeros(levels + 1, dtype=torch.float64, device=conf.device)
+            level_conf.scatter_add_(0, tree.depths.flatten(), conf.flatten())
+            parts += [level_conf, self._curves(pool, active, levels).flatten()]
+        flat = torch.cat(parts).cpu().numpy()
         i = np.cumsum([0, c, c, c, levels + 1])
         ints = lambda x: x.astype(np.int64)  # noqa: E731
         return RoundOutcome(ints(flat[i[0]:i[1]]), ints(flat[i[1]:i[2]]), ints(flat[i[2]:i[3]]), flat[i[3]:i[4]],
-                            flat[i[4]:].reshape(levels, self.curve_len))
+                            flat[i[4]:].reshape(-1, self.curve_len))
 
     def _curves(self, pool: CandidateBatch, active: torch.Tensor, levels: int) -> torch.Tensor:
         """(D, n_max + 1): row j - 1, column m = the summed path confidence of each active slot's

@@ -99,10 +99,14 @@ class JacobiWindow:
         _, _, held, tok, score, above, up_ok = self._lookup(slots, levels)
         kw = min(width, self.keep)
         wrank = torch.arange(kw, device=dev) < widths[:, None, None]  # (C, 1, Kw) a slot's own k best
-        tok, score = tok[..., :kw], torch.where(wrank, score[..., :kw], float("-inf"))
         prior_up = torch.where(held, NEAR, ABOVE).masked_fill(~up_ok, float("-inf"))  # (C, D)
-        prior_left = torch.where(held, NEAR, LEFT)  # (C, D)
-        c = tok.shape[0]
+        # every level's candidates but the parent's own token, scored once for all levels:
+        # the window's k best, then the token above (C, D, Kw + 1)
+        fixed_t = torch.cat([tok[..., :kw], above[..., None]], 2)
+        fixed_s = _floored(torch.cat([torch.where(wrank, score[..., :kw], float("-inf")), prior_up[..., None]], 2))
+        left_s = torch.where(held, NEAR, LEFT)  # (C, D) repeating the parent's token (finite, above the floor)
+        live = depth[:, None] >= torch.arange(1, levels + 1, device=dev)  # (C, D) slot drafts depth j
+        c, kc = tok.shape[0], kw + 2
         parent_tok = slots.roots()[:, None]  # (C, F): level 1's parent is the root
         parent_score = torch.zeros(c, 1, device=dev)
         parent_idx = torch.full((c, 1), -1, dtype=torch.long, device=dev)
@@ -111,13 +115,10 @@ class JacobiWindow:
         offset = 0
         for d in range(1, levels + 1):
             f = parent_tok.shape[1]
-            kt = torch.cat([tok[:, d - 1, None].expand(c, f, kw), above[:, d - 1, None, None].expand(c, f, 1),
-                            parent_tok[..., None]], 2)  # (C, F, Kc)
-            ks = torch.cat([score[:, d - 1, None].expand(c, f, kw), prior_up[:, d - 1, None, None].expand(c, f, 1),
-                            prior_left[:, d - 1, None, None].expand(c, f, 1)], 2)
-            ks = ks.clamp(min=SCORE_FLOOR).masked_fill(~torch.isfinite(ks), float("-inf"))
-            ok = torch.isfinite(ks) & ~_repeats(kt, ks) & parent_ok[..., None] & (depth >= d)[:, None, None]
-            kc = kt.shape[2]
+            kt = torch.cat([fixed_t[:, d - 1, None].expand(c, f, kw + 1), parent_tok[..., None]], 2)  # (C, F, Kc)
+            ks = torch.cat([fixed_s[:, d - 1, None].expand(c, f, kw + 1), left_s[:, d - 1, None, None].expand(c, f, 1)], 2)
+            fin = torch.isfinite(ks)
+            ok = fin & ~_repeats(kt, fin) & (parent_ok & live[:, d - 1, None])[..., None]
             block = CandidateBatch(
                 tokens=kt.reshape(c, f * kc),
                 parents=parent_idx[..., None].expand(c, f, kc).reshape(c, f * kc),
@@ -198,13 +199,23 @@ class JacobiWindow:
         self.score[:, :, : g.shape[2]].scatter_(1, g, score.float().gather(-1, top.indices))
 
 
-def _repeats(tok: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-    """(C, F, K) candidates -> (C, F, K) bool: the token already stands earlier among its
-    siblings (a live earlier candidate): siblings must carry distinct tokens."""
+def _floored(score: torch.Tensor) -> torch.Tensor:
+    """Finite scores raised to the drafter's floor; the rest -inf."""
+    return score.clamp(min=SCORE_FLOOR).masked_fill(~torch.isfinite(score), float("-inf"))
+
+
+_EARLIER: dict[tuple[int, str], torch.Tensor] = {}  # (K, device) -> (K, K) strictly lower triangle
+
+
+def _repeats(tok: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """(C, F, K) candidates and whether each is live -> (C, F, K) bool: the token already stands
+    earlier among its siblings (a live earlier candidate): siblings must carry distinct tokens."""
     k = tok.shape[-1]
-    same = (tok[..., :, None] == tok[..., None, :]) & torch.isfinite(score)[..., None, :]
-    earlier = torch.ones(k, k, dtype=torch.bool, device=tok.device).tril(-1)
-    return (same & earlier).any(-1)
+    key = (k, str(tok.device))
+    if key not in _EARLIER:
+        _EARLIER[key] = torch.ones(k, k, dtype=torch.bool, device=tok.device).tril(-1)
+    same = (tok[..., :, None] == tok[..., None, :]) & (finite[..., None, :] & _EARLIER[key])
+    return same.any(-1)
 
 
 def verify_sjd(tokens: list[int], depths: list[int], logits: torch.Tensor, sampling: SamplingConfig,

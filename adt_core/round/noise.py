@@ -36,23 +36,42 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _seed_key(seeds: torch.Tensor) -> torch.Tensor:
-    """(B,) int64 seeds in [0, 2^63) -> (B,) 32-bit keys mixing both halves."""
+def seed_keys(seeds: torch.Tensor) -> torch.Tensor:
+    """(B,) int64 seeds in [0, 2^63) -> (B,) 32-bit keys mixing both halves (an image's key is
+    computed once, when it is admitted: `Slots.keys`)."""
     lo, hi = seeds & _MASK32, (seeds >> 32) & _MASK32
     return mix32(mix32(lo) ^ hi)
 
 
+_TOKENS: dict[tuple[int, str], torch.Tensor] = {}  # (vocab, device) -> (V,) mixed token ids
+
+
+def _token_mix(vocab: int, device: torch.device) -> torch.Tensor:
+    """(V,) the mixed token ids, computed once per vocabulary size and device."""
+    key = (vocab, str(device))
+    if key not in _TOKENS:
+        _TOKENS[key] = mix32((torch.arange(vocab, device=device, dtype=torch.long) + _TOKEN_SALT) & _MASK32)
+    return _TOKENS[key]
+
+
+def keyed_uniforms(keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """keys (B,) (`seed_keys`), positions (B, P) image indices -> (B, P, V) float64 uniforms in (0, 1)."""
+    pk = mix32(keys[:, None] ^ mix32((positions.long() + _POS_SALT) & _MASK32))  # (B, P)
+    h = mix32(pk[..., None] ^ _token_mix(vocab, positions.device))  # (B, P, V) 32-bit
+    return (h.double() + 0.5) / 2.0**32
+
+
 def uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """seeds (B,), positions (B, P) image indices -> (B, P, V) float64 uniforms in (0, 1)."""
-    dev = positions.device
-    key = _seed_key(seeds.to(dev, torch.long))[:, None]  # (B, 1)
-    pk = mix32(key ^ mix32((positions.long() + _POS_SALT) & _MASK32))  # (B, P)
-    tok = mix32((torch.arange(vocab, device=dev, dtype=torch.long) + _TOKEN_SALT) & _MASK32)  # (V,)
-    h = mix32(pk[..., None] ^ tok)  # (B, P, V) 32-bit
-    return (h.double() + 0.5) / 2.0**32
+    return keyed_uniforms(seed_keys(seeds.to(positions.device, torch.long)), positions, vocab)
+
+
+def keyed_gumbel(keys: torch.Tensor, positions: torch.Tensor, vocab: int, dtype=torch.float32) -> torch.Tensor:
+    """keys (B,) (`seed_keys`), positions (B, P) -> (B, P, V) Gumbel(0, 1) noise."""
+    u = keyed_uniforms(keys, positions, vocab)
+    return (-torch.log(-torch.log(u))).to(dtype)
 
 
 def gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab: int, dtype=torch.float32) -> torch.Tensor:
     """seeds (B,), positions (B, P) -> (B, P, V) Gumbel(0, 1) noise, fixed per (seed, position, token)."""
-    u = uniforms(seeds, positions, vocab)
-    return (-torch.log(-torch.log(u))).to(dtype)
+    return keyed_gumbel(seed_keys(seeds.to(positions.device, torch.long)), positions, vocab, dtype)

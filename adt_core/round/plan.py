@@ -52,6 +52,7 @@ class Planner:
 
     drafts = False
     reads_rows = False  # whether `ragged` is told each round's keys (the cost budgets: `RowsJudged`)
+    reads_curves = False  # whether a round reads back its acceptance curves (RoundOutcome.level_conf, .curve)
 
     def adopt(self, earlier: "Planner") -> None:
         """Start from what an earlier decoder of the same Generator learned (nothing here)."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from adt_core.config import SamplingConfig
-from adt_core.round.noise import gumbel
+from adt_core.round.noise import keyed_gumbel
 from adt_core.round.sampling import perturbed, target_probs
 
 
@@ -37,19 +37,19 @@ class Sampler:
         """True when verification is whole-batch tensor work (greedy, coupled)."""
         return self.kind != "rejection"
 
-    def noise(self, seeds: torch.Tensor, first: torch.Tensor, count: int) -> torch.Tensor | None:
-        """Coupled Gumbel rows of image indices first .. first + count - 1: seeds, first (C,) ->
-        (C, count, V); None unless coupled."""
+    def noise(self, keys: torch.Tensor, first: torch.Tensor, count: int) -> torch.Tensor | None:
+        """Coupled Gumbel rows of image indices first .. first + count - 1: keys (the seeds'
+        `seed_keys`), first (C,) -> (C, count, V); None unless coupled."""
         if self.kind != "coupled":
             return None
         pos = first[:, None] + torch.arange(count, device=first.device)  # (C, count)
-        return gumbel(seeds, pos, self.vocab)
+        return keyed_gumbel(keys, pos, self.vocab)
 
     def targets(self, mixed: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
         """y at every node: mixed (C, S, V) CFG-mixed logits, noise (C, S, V) or None -> (C, S)."""
         return perturbed(mixed, self.sampling, noise).argmax(-1)
 
-    def sample(self, mixed: torch.Tensor, seeds: torch.Tensor, index: torch.Tensor,
+    def sample(self, mixed: torch.Tensor, keys: torch.Tensor, index: torch.Tensor,
                gens: list[torch.Generator | None]) -> torch.Tensor:
         """One token per slot: mixed (C, V) at image indices index (C,) -> (C,).
         Rejection: slots without a generator (free) draw nothing (token 0)."""
@@ -60,5 +60,5 @@ class Sampler:
                 if g is not None:
                     out[b] = torch.multinomial(probs[b], 1, generator=g)[0]
             return out
-        noise = self.noise(seeds, index, 1)
+        noise = self.noise(keys, index, 1)
         return self.targets(mixed[:, None], noise)[:, 0]

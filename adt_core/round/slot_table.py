@@ -12,6 +12,7 @@ import torch
 
 from adt_core.families.contract import PromptRows, reads_caption_pairs
 from adt_core.results import StepStats
+from adt_core.round.noise import seed_keys
 from adt_core.round.prefill import prefill_rows
 from adt_core.round.sampling import cfg_mix
 
@@ -93,12 +94,12 @@ class SlotTable:
         cache_rows = self.cache_rows(free)
         self.row_base[cache_rows] = lengths
         self.base_col = torch.from_numpy(self.row_base[:, None].copy()).to(dev)
-        seeds = torch.tensor([seed for _, _, seed in items], dtype=torch.long, device=dev)
+        keys = seed_keys(torch.tensor([seed for _, _, seed in items], dtype=torch.long, device=dev))
         gens = [torch.Generator(device=dev).manual_seed(seed) if setup.sampler.kind == "rejection" else None
                 for _, _, seed in items]
-        first = setup.sampler.sample(cfg_mix(logits, self.scale), seeds, torch.zeros_like(seeds), gens)  # (n,)
+        first = setup.sampler.sample(cfg_mix(logits, self.scale), keys, torch.zeros_like(keys), gens)  # (n,)
         self.cache.load_rows(torch.from_numpy(cache_rows).to(dev), tmp)
-        s.seeds[free_t], s.count[free_t] = seeds, 0
+        s.keys[free_t], s.count[free_t] = keys, 0
         s.active[free], s.host_count[free] = True, 0
         for j, b in enumerate(free):
             self.meta[b], s.gens[b] = items[j], gens[j]

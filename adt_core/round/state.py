@@ -23,7 +23,7 @@ class Slots:
 
     tokens: torch.Tensor  # (C, N + 1) long, device: committed tokens; column N is a write sink
     count: torch.Tensor  # (C,) long, device: committed tokens per slot
-    seeds: torch.Tensor  # (C,) long, device: each image's seed (coupled noise)
+    keys: torch.Tensor  # (C,) long, device: each image's seed as its coupled-noise key (noise.seed_keys)
     host_count: np.ndarray  # (C,) int64: the same counts on the host
     active: np.ndarray  # (C,) bool: slot holds an image
     gens: list[torch.Generator | None]  # per slot: the rejection sampler's randomness
@@ -45,7 +45,7 @@ class Slots:
     def narrow(self, order: np.ndarray) -> None:
         """Keep slots `order` (n,) as slots 0 .. n - 1 (BatchDecoder.narrow)."""
         idx = torch.from_numpy(np.asarray(order, dtype=np.int64)).to(self.count.device)
-        self.tokens, self.count, self.seeds = (x.index_select(0, idx) for x in (self.tokens, self.count, self.seeds))
+        self.tokens, self.count, self.keys = (x.index_select(0, idx) for x in (self.tokens, self.count, self.keys))
         self.host_count, self.active = self.host_count[order], self.active[order]
         self.gens = [self.gens[i] for i in order]
 
@@ -169,5 +169,6 @@ class RoundOutcome:
     accepted: np.ndarray  # (C,) accepted drafted tokens
     depth: np.ndarray  # (C,) depth of the kept tree
     nodes: np.ndarray  # (C,) drafted nodes verified
+    # level_conf and curve are read back only for a planner that reads_curves (else empty)
     level_conf: np.ndarray  # (D + 1,) summed path confidence of kept nodes per depth (all slots)
     curve: np.ndarray  # (D, n_max + 1): [j - 1, m] summed confidence of each slot's m best candidates of depth <= j

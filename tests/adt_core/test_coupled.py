@@ -86,6 +86,25 @@ def test_noise_is_a_function_of_seed_position_token():
     assert bool((u > 0).all() and (u < 1).all())
 
 
+def test_a_round_computes_no_seed_key_and_no_token_hash(monkeypatch):
+    """An image's noise key is computed once, when it is admitted (`Slots.keys`), and the token
+    ids' hash once per vocabulary and device: a round's noise is the position hash and one mix
+    per (position, token), ~20% of a plain coupled step's operators before."""
+    from adt_core.round import noise
+
+    bundle = random_bundle(seed=5, vocab=24, grid=(3, 3))
+    gen = Generator(bundle, DecodeConfig(method="ar", temperature=1.0, batch_size=2))
+    ref = [r.tokens for r in gen.generate(["a", "b"], [3, 2**40 + 9])]
+    calls = []
+    monkeypatch.setattr("adt_core.round.slot_table.seed_keys", lambda s: calls.append(1) or noise.seed_keys(s))
+    out = [r.tokens for r in gen.generate(["a", "b"], [3, 2**40 + 9])]
+    assert len(calls) == 1 and all(torch.equal(a, b) for a, b in zip(ref, out))  # one admission of both images
+    assert (24, "cpu") in noise._TOKENS
+    keys = noise.seed_keys(torch.tensor([3, 2**40 + 9]))
+    pos = torch.tensor([[0, 4], [8, 1]])
+    assert torch.equal(noise.keyed_uniforms(keys, pos, 24), uniforms(torch.tensor([3, 2**40 + 9]), pos, 24))
+
+
 def _mix32_py(x: int) -> int:
     """lowbias32 on Python ints: the reference the tensor version must match bit for bit."""
     x ^= x >> 16
