@@ -157,7 +157,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
         j-th level is accepted with probability PRIOR ** j."""
         c = self.capacity
         expected = c * sum(PRIOR ** j for j in range(1, min(levels, nodes) + 1))
-        return (c + expected) / (self.costs.cost(c * (1 + nodes)) + levels * self._level_cost(c, width))
+        return (c + expected) / (self._fwd(nodes) + levels * self._level_cost(c, width))
 
     def _fwd(self, m: int) -> float:
         """The table's ms of a verify forward of m nodes on every slot (kept per capacity and m:
@@ -177,7 +177,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
 
     def plain_ms(self) -> float:
         """Modelled ms of a plain step of the full batch: the table's forward and its bookkeeping."""
-        return self.costs.cost(self.capacity) + (self.plain_over or 0.0)
+        return self._fwd(0) + (self.plain_over or 0.0)
 
     def _level_cost(self, a: int, width: int) -> float:
         if self.level_ms is not None:
