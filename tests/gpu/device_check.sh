@@ -7,7 +7,10 @@
 # throughput.{json,txt}, cost_curves.{json,txt}. A rerun resumes the throughput JSONs.
 #   bash tests/gpu/device_check.sh            # on the GPU machine, from the project root
 # A machine with no package index and a 64 MiB tree transfer needs the text encoder packed
-# first (tests/gpu/pack_encoder.py says how; its images are compared within the run only).
+# first (tests/gpu/pack_encoder.py; its images are compared within the run only) and pydantic
+# as wheels in .whl/ (both folders git-ignored, carried). The 2026-12-04 run was, in one call:
+#   pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+#   PY=python3; source .dev/prep.sh; OUT=$OUT PY=python3 bash tests/gpu/device_check.sh
 set -uo pipefail
 OUT="${OUT:-device_check}"
 PY="${PY:-python}"
