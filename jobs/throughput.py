@@ -159,15 +159,16 @@ def summarise(gen: Generator, res: list, wall: float, cpu: float, clock: str) ->
 def ceiling(gen: Generator) -> dict | None:
     """The cost table's ceiling for a cost-budget method's fullest batch: the tree its planner
     rates best at what it measured (verify cost per width, draft ms per level, acceptance per
-    depth) and that rate over a plain step's, bookkeeping not counted, with the cost table and
-    draft ms per level it was rated on; None for other methods."""
+    depth) and that rate over a plain step's, bookkeeping not counted, with what it was rated on
+    (the cost table, draft ms per level) and the measured bookkeeping; None for other methods."""
     planners = {c: p for c, p in gen._planners.items() if hasattr(p, "ceiling")}
     if not planners:
         return None
     p = planners[max(planners)]
     d, m, x = p.ceiling()
     return {"levels": d, "nodes": m, "x_plain": x, "table": json.loads(p.costs.to_json()),
-            "level_ms": p.level_ms, "accepted": {d: round(float(c[-1]), 3) for d, c in sorted(p.curves.items())}}
+            "level_ms": p.level_ms, "over_ms": p.over, "plain_over_ms": p.plain_over,
+            "accepted": {d: round(float(c[-1]), 3) for d, c in sorted(p.curves.items())}}
 
 
 def throughput(bundle: Bundle, args, prompts: list[str], seeds: list[int]) -> dict:
