@@ -47,7 +47,7 @@ class Generator:
         self.dtype = DTYPES[config.dtype]
         self.sampling: SamplingConfig = config.sampling(bundle.sampling)
         self.cfg_rows = 2 if self.sampling.use_cfg else 1
-        self.prompter = bundle.make_prompter()  # LlamaGen's checks its text encoder against the target
+        self.prompter = bundle.make_prompter()  # the family's prompter checks its parts agree
         self.layout, self.vocab = self.prompter.layout, self.prompter.vocab
         if config.needs_drafter and bundle.drafter is None:
             raise ValueError(f"method {config.method!r} needs a drafter; bundle {bundle.name!r} has none")

@@ -26,6 +26,7 @@ sampler drafts one chain per slot, each token SAMPLED from the window's stored d
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -204,17 +205,16 @@ def _floored(score: torch.Tensor) -> torch.Tensor:
     return score.clamp(min=SCORE_FLOOR).masked_fill(~torch.isfinite(score), float("-inf"))
 
 
-_EARLIER: dict[tuple[int, str], torch.Tensor] = {}  # (K, device) -> (K, K) strictly lower triangle
+@functools.lru_cache(maxsize=None)
+def _earlier(k: int, device: str) -> torch.Tensor:
+    """(K, K) the strictly lower triangle: candidate j stands before candidate i."""
+    return torch.ones(k, k, dtype=torch.bool, device=device).tril(-1)
 
 
 def _repeats(tok: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
     """(C, F, K) candidates and whether each is live -> (C, F, K) bool: the token already stands
     earlier among its siblings (a live earlier candidate): siblings must carry distinct tokens."""
-    k = tok.shape[-1]
-    key = (k, str(tok.device))
-    if key not in _EARLIER:
-        _EARLIER[key] = torch.ones(k, k, dtype=torch.bool, device=tok.device).tril(-1)
-    same = (tok[..., :, None] == tok[..., None, :]) & (finite[..., None, :] & _EARLIER[key])
+    same = (tok[..., :, None] == tok[..., None, :]) & (finite[..., None, :] & _earlier(tok.shape[-1], str(tok.device)))
     return same.any(-1)
 
 

@@ -14,6 +14,8 @@ and the batch composition.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -43,21 +45,16 @@ def seed_keys(seeds: torch.Tensor) -> torch.Tensor:
     return mix32(mix32(lo) ^ hi)
 
 
-_TOKENS: dict[tuple[int, str], torch.Tensor] = {}  # (vocab, device) -> (V,) mixed token ids
-
-
-def _token_mix(vocab: int, device: torch.device) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def _token_mix(vocab: int, device: str) -> torch.Tensor:
     """(V,) the mixed token ids, computed once per vocabulary size and device."""
-    key = (vocab, str(device))
-    if key not in _TOKENS:
-        _TOKENS[key] = mix32((torch.arange(vocab, device=device, dtype=torch.long) + _TOKEN_SALT) & _MASK32)
-    return _TOKENS[key]
+    return mix32((torch.arange(vocab, device=device, dtype=torch.long) + _TOKEN_SALT) & _MASK32)
 
 
 def keyed_uniforms(keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """keys (B,) (`seed_keys`), positions (B, P) image indices -> (B, P, V) float64 uniforms in (0, 1)."""
     pk = mix32(keys[:, None] ^ mix32((positions.long() + _POS_SALT) & _MASK32))  # (B, P)
-    h = mix32(pk[..., None] ^ _token_mix(vocab, positions.device))  # (B, P, V) 32-bit
+    h = mix32(pk[..., None] ^ _token_mix(vocab, str(positions.device)))  # (B, P, V) 32-bit
     return (h.double() + 0.5) / 2.0**32
 
 
