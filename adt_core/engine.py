@@ -32,6 +32,7 @@ from adt_core.config import DecodeConfig, SamplingConfig
 from adt_core.results import GenerationResult, PromptFailure, estimate_speedup
 from adt_core.round.decoder import BatchDecoder, DecodeSetup
 from adt_core.round.draft import DraftScorer
+from adt_core.round.neighbours import ImagePrior
 from adt_core.round.sampler import Sampler
 from adt_core.round.verify import Relaxation
 
@@ -60,6 +61,8 @@ class Generator:
         # what draws the tokens, picked once: argmax (greedy), fixed Gumbel noise (coupled) or generators
         self.sampler = Sampler.pick(self.sampling, config.sampler, self.vocab.num_codes)
         coupled = self.sampling if self.sampler.kind == "coupled" else None
+        # the drafter-free method's neighbour odds and continuations, learned over every image decoded
+        self.prior = ImagePrior(self.vocab.num_codes, self.device) if config.method == "jacobi" else None
         self.scorer = DraftScorer(coupled, perturbed=config.draft_score == "perturbed")
 
     # ---- public -------------------------------------------------------------------------
@@ -118,7 +121,7 @@ class Generator:
         costs = self.cost_table() if self.config.cost_sized else None
         setup = DecodeSetup(self.bundle, self.config, self.sampler, self.scorer, self.cfg_rows, self.num_tokens,
                             self.device, self.timer, costs, self.relaxation(), self._planners, self.prompter,
-                            self._max_prompt())
+                            self._max_prompt(), self.prior)
         return BatchDecoder(setup, capacity)
 
     # ---- shared steps -------------------------------------------------------------------

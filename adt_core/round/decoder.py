@@ -40,6 +40,7 @@ from adt_core.round.adaptive import AdaptiveGrid
 from adt_core.round.draft import BatchDrafter, DraftScorer, StaticLevels
 from adt_core.round.forced import ForcedEol
 from adt_core.round.jacobi import jacobi_window, verify_sjd
+from adt_core.round.neighbours import ImagePrior
 from adt_core.round.log import RoundLog
 from adt_core.round.plan import Planner
 from adt_core.round.planners import planner_for
@@ -67,6 +68,7 @@ class DecodeSetup:
     planners: dict  # capacity -> the last decoder's planner: what it learned carries over
     prompter: object  # the family's Prompter (adt_core/families/contract.py): prompt rows, layout, vocabulary
     max_prompt: int  # the longest prompt row a slot may hold (cache entries before image index 0)
+    prior: ImagePrior | None = None  # jacobi: what the images decoded so far say of the next token
 
 
 class BatchDecoder(SlotTable):
