@@ -11,13 +11,12 @@ slot keeps a WINDOW of candidates per image index ahead of its prefix (`JacobiWi
   the method's drafts are (adt_core/draft.DraftScorer: coupled, the top-k of the warped logits
   plus the position's fixed Gumbel row; else of log p). The unaccepted tail's predictions are
   the next round's drafts (Jacobi's fixed-point iteration, one step per round);
-- every index also takes the image's neighbours: the token above (committed, one grid row up)
-  and the left neighbour repeated (the parent node's own token), scored by how often each was
-  the committed token in this image so far (`NeighbourOdds`: learned per slot, split by whether
-  the two agree). Where the image is flat they are right most of the time (emoji16, T 0: the left
-  neighbour 69%, the token above 60%, either 82%), and chains of them reach far past what the
-  window's earlier predictions, made under a rejected prefix, do; the tree verifies them, and
-  their predictions fill the window. A token proposed by two sources keeps the better score.
+- every index also takes the image's neighbours (adt_core/round/neighbours.py): the token above,
+  the left neighbour repeated (the parent node's own token) and the left token's frequent
+  continuations, each scored by how often it was right. Where the image is flat they are right
+  most of the time, and chains of them reach past what the window's earlier predictions, made
+  under a rejected prefix, do; the tree verifies them, and their predictions fill the window.
+  A token proposed by two sources keeps the better score.
 
 `propose` builds a CandidateBatch from the window as the drafter does from its levels: level j
 holds the candidates of the slot's index n - 1 + j below each of the K best nodes of level
@@ -29,7 +28,6 @@ sampler drafts one chain per slot, each token SAMPLED from the window's stored d
 """
 
 from __future__ import annotations
-
 
 import numpy as np
 import torch
