@@ -76,7 +76,8 @@ class ImagePrior:
         held = match.any(1)
         entry = match.float().argmax(1)
         self.follow_n.index_put_((p, entry), torch.where(held, n, 0.0), accumulate=True)
-        taken = torch.zeros_like(self.follow_n, dtype=torch.bool).index_put_((p, entry), held)
+        # the entries held pairs matched (the others write to the sink: one writer per entry)
+        taken = torch.zeros_like(self.follow_n, dtype=torch.bool).index_put_((torch.where(held, p, sink), entry), held)
         order = torch.where(taken, float("inf"), self.follow_n).argsort(1)  # (V + 1, F) free entries first
         # new pairs, by token and most counted first: the r-th takes its token's r-th free entry
         q = torch.where(held, sink, p)

@@ -43,6 +43,11 @@ def test_continuations_count_each_tokens_followers_and_their_share():
     tok, logp = prior.continuations(torch.tensor([1]))
     share = {int(t): math.exp(float(s)) for t, s in zip(tok[0], logp[0]) if math.isfinite(float(s))}
     assert share == pytest.approx({3: 3 / 14, 4: 2 / 14, 6: 4 / 14, 0: 3 / 14})  # 4 took 5's entry (2 pairs each)
+    # a held pair and a new one of the same token in one call: the held entry is not given away
+    prior.count_pairs(torch.tensor([[1, 1]]), torch.tensor([[3, 7]]), torch.ones(1, 2, dtype=torch.bool))
+    tok, logp = prior.continuations(torch.tensor([1]))
+    share = {int(t): math.exp(float(s)) for t, s in zip(tok[0], logp[0]) if math.isfinite(float(s))}
+    assert share == pytest.approx({3: 4 / 16, 7: 1 / 16, 6: 4 / 16, 0: 3 / 16})
 
 
 def test_odds_learn_a_flat_image_and_a_striped_one_apart_counting_each_index_once():
