@@ -126,8 +126,8 @@ class Generator:
 
     # ---- shared steps -------------------------------------------------------------------
     def _max_prompt(self) -> int:
-        """The longest prompt row a decoder must hold: the prompter's `max_prompt` (LlamaGen:
-        its T caption rows)."""
+        """The longest prompt row a decoder must hold: the prompter's `max_prompt` (the family
+        contract's bound on a prompt's cache entries)."""
         return int(self.prompter.max_prompt)
 
     def _encode(self, items):

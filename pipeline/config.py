@@ -35,6 +35,13 @@ MIN_CPUS_PER_ACTOR = 0.25  # below this an actor (torch + a bundle) makes no pro
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
+def not_blank(v: str) -> str:
+    """A required text field's validator (`field_validator(...)(not_blank)`): empty or blank is refused."""
+    if not v.strip():
+        raise ValueError("must not be empty")
+    return v
+
+
 def packaged_input() -> Path:
     """The example prompts shipped inside the package (the default input outside a checkout)."""
     return Path(__file__).resolve().parent / "assets" / "prompts.parquet"
@@ -214,12 +221,7 @@ class JobConfig(_Strict):
             raise ValueError(f"must match {_JOB_ID_RE.pattern} (letters, digits, . _ -), got {v!r}")
         return v
 
-    @field_validator("input", "bundle")
-    @classmethod
-    def _not_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("must not be empty")
-        return v
+    _not_blank = field_validator("input", "bundle")(not_blank)
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> "JobConfig":

@@ -34,7 +34,7 @@ import torch
 
 from adt_core.config import SamplingConfig
 from adt_core.round.draft import SCORE_FLOOR, DraftScorer
-from adt_core.round.neighbours import FOLLOW, ImagePrior, NeighbourOdds, merge_siblings, neighbour_candidates
+from adt_core.round.neighbours import ImagePrior, NeighbourOdds, merge_siblings, neighbour_candidates
 from adt_core.round.state import CandidateBatch, RoundPlan, Slots, TreeBatch, Verified
 from adt_core.round.sampling import target_probs
 from adt_core.round.verify import VerifyResult
@@ -99,13 +99,13 @@ class JacobiWindow:
         levels, width = plan.levels, plan.width
         depth = torch.from_numpy(plan.depth).to(dev)  # (C,)
         widths = torch.from_numpy(plan.widths).to(dev)  # (C,)
-        _, _, held, tok, score, above, up_ok = self._lookup(slots, levels)
+        _, _, _, tok, score, above, up_ok = self._lookup(slots, levels)
         odds = self.odds.scores(slots)  # (C, 3) log odds of the neighbours
         kw = min(width, self.keep)
         wrank = torch.arange(kw, device=dev) < widths[:, None, None]  # (C, 1, Kw) a slot's own k best
         win_s = _floored(torch.where(wrank, score[..., :kw], float("-inf")))  # (C, D, Kw)
         live = depth[:, None] >= torch.arange(1, levels + 1, device=dev)  # (C, D) slot drafts depth j
-        c, kc = tok.shape[0], kw + 2 + FOLLOW
+        c = tok.shape[0]
         parent_tok = slots.roots()[:, None]  # (C, F): level 1's parent is the root
         parent_score = torch.zeros(c, 1, device=dev)
         parent_idx = torch.full((c, 1), -1, dtype=torch.long, device=dev)
@@ -119,6 +119,7 @@ class JacobiWindow:
             # the window's k best, then the neighbours (C, F, Kc)
             kt = torch.cat([tok[:, d - 1, None, :kw].expand(c, f, kw), near_t], 2)
             ks = torch.cat([win_s[:, d - 1, None].expand(c, f, kw), _floored(near_s)], 2)
+            kc = kt.shape[2]
             ks, ok = merge_siblings(kt, ks, torch.isfinite(ks))  # a token's best source
             ok &= (parent_ok & live[:, d - 1, None])[..., None]
             block = CandidateBatch(

@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pipeline.config import StorageSettings, build_model, read_config_file
+from pipeline.config import StorageSettings, build_model, not_blank, read_config_file
 
 CONFIG_FILE = "train_config.json"
 RESULT_FILE = "result.json"
@@ -113,12 +113,7 @@ class TrainDrafterConfig(_Strict):
     ray_address: Optional[str] = Field(None, description="Ray cluster address; none = RAY_ADDRESS, else a new local Ray.")
     storage: StorageSettings = Field(default_factory=StorageSettings)
 
-    @field_validator("bundle", "out")
-    @classmethod
-    def _not_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("must not be empty")
-        return v
+    _not_blank = field_validator("bundle", "out")(not_blank)
 
     @model_validator(mode="after")
     def _data_source(self) -> "TrainDrafterConfig":
