@@ -40,6 +40,7 @@ class KVCache:
         self.valid = torch.ones(rows, max_len, dtype=torch.bool, device=device)  # (R, max_len)
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)  # (R,) committed entries per row
         self.host = np.zeros(rows, dtype=np.int64)  # (R,) the same lengths, on the host
+        self.holes = np.zeros(rows, dtype=np.int64)  # (R,) hidden entries `align` put in each row
         self._uniform: int | None = 0  # the common length while all rows share one, else None
         self._longest = 0  # max(lengths), kept on the host (no device sync per layer)
         self._next: torch.Tensor | None = None  # ragged single-entry writes' index (`_entry_index`)
@@ -105,6 +106,7 @@ class KVCache:
         host = lengths.detach().cpu().numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths)
         self._next = None
         self.host = host.astype(np.int64, copy=True)
+        self.holes = np.minimum(self.holes, self.host)  # an emptied row (retired) has none
         self.lengths = torch.from_numpy(self.host.copy()).to(self.lengths.device)
         lo, hi = int(self.host.min()), int(self.host.max())
         self._longest = hi
@@ -120,6 +122,23 @@ class KVCache:
         if bool((host > self.host).any()):
             raise ValueError("cannot truncate a row past its length")
         self.set_lengths(host)
+
+    def align(self, rows: np.ndarray, room: int) -> bool:
+        """Pad rows `rows` (the busy ones) to the longest row with hidden entries, if each
+        stays within `room` holes; the other rows (free slots, which never grow) take the same
+        length. True when every row now has one length."""
+        if self._uniform is not None:
+            return True
+        top = self._longest
+        gap = top - self.host[rows]  # (n,)
+        if bool((self.holes[rows] + gap > room).any()):
+            return False
+        j = torch.arange(top, device=self.valid.device)[None]  # (1, top)
+        start = torch.from_numpy(self.host).to(self.valid.device)[:, None]  # (R, 1)
+        self.valid[:, :top] &= j < start  # the new entries [length, top) of every row: hidden
+        self.holes[rows] += gap
+        self.set_lengths(np.full_like(self.host, top))
+        return True
 
     # ---- masks --------------------------------------------------------------------------
     def attn_mask(self, new_mask: torch.Tensor, since: int | torch.Tensor | None = None) -> torch.Tensor:
@@ -177,6 +196,7 @@ class KVCache:
         n_layer, _, n_head, max_len, head_dim = self.k.shape
         self.k, self.v = self.k[:, :n], self.v[:, :n]  # (L, n, heads, max_len, hd) views
         self.valid = self.valid.index_select(0, idx)
+        self.holes = self.holes[np.asarray(rows)]
         self._base = (torch.arange(n, device=dev)[:, None] * n_head + torch.arange(n_head, device=dev)) * max_len
         self._flat = tuple(x.view(n_layer, n * n_head * max_len, head_dim) for x in (self.k, self.v))
         self.set_lengths(self.host[np.asarray(rows)])
@@ -208,4 +228,5 @@ class KVCache:
         self.valid[rows, :n] = other.valid[:, :n]
         host = self.host.copy()
         host[rows.cpu().numpy()] = other.host
+        self.holes[rows.cpu().numpy()] = 0
         self.set_lengths(host)

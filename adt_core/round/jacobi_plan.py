@@ -19,9 +19,9 @@ comes from a model measured on this device and these images:
 M is the width bucket with the best modelled rate; the round drafts when that beats a plain
 step's modelled rate by EDGE. Every `probe` rounds a neighbour of the best width (one bucket
 wider or narrower, in turn; the best width itself while plain steps win) runs RUN rounds, the
-interval doubling (to PROBE_MAX; four-fold while drafted rounds ran at under CLEAR of a plain
-step's rate) while probes leave the choice as it was, so a change (an easier region, fewer images
-in flight) is noticed.
+interval doubling (to PROBE_MAX; four-fold, and the next probe SHORT rounds, while drafted rounds
+ran at under CLEAR of a plain step's rate) while probes leave the choice as it was, so a change
+(an easier region, fewer images in flight) is noticed.
 
 Why not adt's `BatchBudget` verdict: a Jacobi window holds predictions only while rounds verify
 it (a plain step predicts nothing past its root), so one-round alternation would compare drafted
@@ -50,6 +50,7 @@ from adt_core.round.state import RoundOutcome, RoundPlan, Slots
 WIDTHS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # verify widths the model weighs, cut to adaptive.n_max
 PRIOR = 0.7  # the prior's acceptance of a chain's first level (the j-th: PRIOR^j)
 RUN = 8  # drafted rounds of a probe
+SHORT = 4  # drafted rounds of a probe after one that ran far behind plain steps (WARM cold ones, two measured)
 WARM = 2  # drafted rounds of a width, after plain steps or another width, that update no gain
 # (the window still holds what rounds of another depth, or none, predicted)
 PROBE, PROBE_MAX = 8, 256
@@ -72,10 +73,13 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         self.over: float | None = None  # measured ms of a drafted round beyond base x the table's ratio
         self.drafted = 0  # drafted rounds since the last plain step
         self._ratios: dict[tuple[int, int], float] = {}  # (capacity, width) -> `ratio`
+        self._ratio: dict[int, np.ndarray] = {}  # capacity -> (W,) `ratio` of each width
+        self._gains: np.ndarray | None = None  # (W,) `gains`, until a gain changes
         self.real: float | None = None  # drafted rounds' measured tokens per slot and charged ms (smoothed)
         self.run = 0  # drafted rounds in a row so far
         self.left, self.trying = 0, 0  # probe rounds left, and the probed width
         self.flip = 1  # the next probe's direction
+        self.behind = False  # the last probe ran far behind plain steps: the next one is SHORT
         self.before = 0  # the model's choice when the last probe started
         self.idle, self.probe = 0, PROBE  # plain rounds since the last drafted one; the probe interval
         self.fresh_rows()  # drafted rounds judged on the rows they leave
@@ -89,11 +93,16 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         """Start from what an earlier decoder of the same Generator and capacity measured (its
         round times only while it still ran that many slots: a narrowed tail's are of fewer)."""
         self.gain, self.probe, self.seen = dict(earlier.gain), earlier.probe, dict(earlier.seen)
+        self.behind = earlier.behind
+        self._gains = None
         if earlier.capacity == self.capacity:
             self.base, self.over, self.rows, self.real = earlier.base, earlier.over, earlier.rows, earlier.real
 
     def share(self, other) -> None:
-        """The model is per capacity (nothing is shared)."""
+        """Another capacity's planner of the same Generator: its extra tokens per width are per
+        slot and hold here too; round times are of another batch and are measured again."""
+        if isinstance(other, JacobiPlanner):
+            self.gain, self.seen, self._gains = dict(other.gain), dict(other.seen), None
 
     def narrow(self, capacity: int) -> None:
         """Extra tokens per width are per slot: they stay; a round's times are re-measured."""
@@ -111,38 +120,46 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
                                              for w in self.widths if w <= m])
         return self._ratios[key]
 
-    def round_ms(self, m: int) -> float:
-        """Modelled ms of a round of width m (0: a plain step)."""
-        base = self.base if self.base is not None else self.costs.cost(self.capacity)
-        if m == 0:
-            return base
-        return max(base * self.ratio(m) + (self.over or 0.0), 1e-3)
+    def _base(self) -> float:
+        """A plain step's ms: measured, else the cost table's."""
+        return self.base if self.base is not None else self.costs.cost(self.capacity)
 
     def prior(self, m: int) -> float:
         """Extra tokens of width m under the prior: a chain whose j-th level is accepted w.p. PRIOR^j."""
         return sum(PRIOR ** j for j in range(1, min(m, self.cfg.d_max) + 1))
 
-    def gains(self, m: int) -> float:
-        """Modelled extra tokens per slot of width m: measured, else the prior scaled by the
-        measured widths' median ratio to it."""
-        if m in self.gain:
-            return self.gain[m]
-        ratios = sorted(g / self.prior(w) for w, g in self.gain.items())
-        return self.prior(m) * (ratios[len(ratios) // 2] if ratios else 1.0)
+    def gains(self) -> np.ndarray:
+        """(W,) modelled extra tokens per slot of each width: measured, else the prior scaled by
+        the measured widths' median ratio to it (kept until a width's gain is measured again)."""
+        if self._gains is None:
+            ratios = sorted(g / self.prior(w) for w, g in self.gain.items())
+            scale = ratios[len(ratios) // 2] if ratios else 1.0
+            self._gains = np.array([self.gain.get(w, self.prior(w) * scale) for w in self.widths])
+        return self._gains
 
-    def rate(self, m: int) -> float:
-        """Modelled tokens per ms per slot of width m (0: a plain step)."""
-        return (1 + (self.gains(m) if m else 0.0)) / self.round_ms(m)
+    def rates(self) -> tuple[np.ndarray, float]:
+        """Modelled tokens per ms per slot: (W,) of each width, and of a plain step (one numpy
+        pass a round: the planner runs on the host before every round, plain ones included)."""
+        c = self.capacity
+        if c not in self._ratio:
+            self._ratio[c] = np.array([self.ratio(w) for w in self.widths])
+        base = self._base()
+        return (1 + self.gains()) / np.maximum(base * self._ratio[c] + (self.over or 0.0), 1e-3), 1.0 / base
 
     def choice(self) -> int:
         """The width the model rates best (0: a plain step wins). The model must also be borne
         out: drafted rounds as they ran (`real`: their tokens per charged ms, cold windows and
         the rows' spread included) must have beaten a plain step, or plain steps run (and the
         probes measure drafting again)."""
-        m = max(self.widths, key=self.rate)
-        if self.real is not None and self.real <= EDGE * self.rate(0):
+        rates, plain = self.rates()
+        i = int(np.argmax(rates))
+        if self.real is not None and self.real <= EDGE * plain:
             return 0
-        return m if self.rate(m) > EDGE * self.rate(0) else 0
+        return self.widths[i] if rates[i] > EDGE * plain else 0
+
+    def best(self) -> int:
+        """The width the model rates best among drafted rounds."""
+        return self.widths[int(np.argmax(self.rates()[0]))]
 
     def _pick(self) -> int:
         """This round's width: a probe's, a plain step measuring `base`, else the model's."""
@@ -156,11 +173,11 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         if self.idle < self.probe:
             return m
         self.idle, self.before = 0, m
-        best = max(self.widths, key=self.rate)
+        best = self.best()
         i = self.widths.index(best) + (self.flip if m else 0)
         self.flip = -self.flip
         self.trying = self.widths[i] if 0 <= i < len(self.widths) else best
-        self.left = RUN - 1
+        self.left = (SHORT if self.behind else RUN) - 1
         return self.trying
 
     # ---- planner interface ------------------------------------------------------------------
@@ -188,7 +205,7 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         self.same = self.same + 1 if m == self.last else 1
         self.last = m
         if self.run > 1:  # a run's first round pays the switch (and, at start, one-off costs)
-            base = self.base if self.base is not None else self.costs.cost(self.capacity)
+            base = self._base()
             ms = self.rows.drafted(self._cost_ms(round_ms))  # on the rows drafting leaves
             extra = ms - base * self.ratio(m)
             self.over = extra if self.over is None else self.over + EMA * (extra - self.over)
@@ -199,14 +216,16 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
             n = self.seen[m] = self.seen.get(m, 0) + 1
             was = self.gain.get(m, per_slot)
             self.gain[m] = was + max(EMA, 1.0 / n) * (per_slot - was)  # the mean of the first readings, then an EMA
+            self._gains = None
         self._probed()
 
     def _probed(self) -> None:
         """After a probe's last round: probe less often while the choice stays as it was."""
         if self.left == 0 and self.trying:
             same = self.choice() == self.before
-            clear = self.real is not None and self.real < CLEAR * self.rate(0)  # drafting far behind
+            clear = self.real is not None and self.real < CLEAR * self.rates()[1]  # drafting far behind
             self.probe = min((4 if clear else 2) * self.probe, PROBE_MAX) if same else PROBE
+            self.behind = clear and same
             self.trying = 0
 
     def observe_plain(self, slots: int, round_ms: float) -> None:
