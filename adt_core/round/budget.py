@@ -61,8 +61,8 @@ class Ragged:
     reads up to rows x n / 2 keys more (+20% for a plain step of 16 emoji16 images on a CPU), and
     plain steps do not bring them back together. Comparing adjacent rounds cannot see that: a
     drafted round measured while the batch is still in lockstep is spared the spread it starts.
-    So, with `key_ms` the table's cost per key and row (`CostTable.key_ms`), before each round
-    `now(keys, full)` (the keys its forward reads past a lockstep batch's; `full`: those of rows
+    So, with `key_ms` the table's cost per key and row (`CostTable.key_ms`), before each drafted
+    round `now(keys, full)` (the keys its forward reads past a lockstep batch's; `full`: those of rows
     spread evenly over an image), and a drafted round counts `drafted(ms)` = ms + key_ms x
     (spread - keys), `spread` the keys measured in drafted rounds, decayed over about an image's
     drafted rounds (2 / n per round) from `full` (the spread continuous refill reaches), so a

@@ -44,8 +44,8 @@ def _smooth(old: float | None, x: float) -> float:
 
 class RowsJudged:
     """A cost budget's drafted rounds judged on the rows drafting leaves (adt_core/round/budget.py
-    `Ragged`): before each round the decoder passes `ragged` the cached keys its forward reads
-    beyond a lockstep batch's, and those of rows spread evenly over an image
+    `Ragged`): before each drafted round (once the plan is made; plain steps leave the rows as
+    they are) the decoder passes `ragged` the cached keys its forward reads beyond a lockstep batch's, and those of rows spread evenly over an image
     (`SlotTable.ragged_keys`, read only for planners with `reads_rows`)."""
 
     reads_rows = True
@@ -98,6 +98,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
         self._fwds: dict[tuple[int, int], float] = {}  # (capacity, m) -> `_fwd`
         self.drafted = 0  # drafted rounds observed
         self.seen: set[bool] = set()  # kinds of round seen once (the first of each pays one-off costs)
+        self._sized: dict[tuple[int, int], tuple[int, int, float]] = {}  # (slots, width) -> `size`, until it changes
         self.fresh_rows()  # drafted rounds judged on the rows they leave
 
     @classmethod
@@ -110,6 +111,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
         self.hits, self.conf = earlier.hits, earlier.conf
         self.level_ms, self.drafted, self.seen = earlier.level_ms, earlier.drafted, earlier.seen
         self.rows, self.over, self.plain_over = earlier.rows, earlier.over, earlier.plain_over
+        self._sized = {}
 
     def share(self, other: "Planner") -> None:
         if isinstance(other, CostPlanner):
@@ -120,6 +122,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
         stay; the verify's cost is read for `capacity` slots, the draft level's ms and the rows'
         spread re-measured."""
         self.capacity, self.level_ms, self.over, self.plain_over = capacity, None, None, None
+        self._sized = {}
         self.fresh_rows()
 
     def _warm(self, drafted: bool) -> bool:
@@ -142,7 +145,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
         if d.max(initial=0) <= 0:
             return None
         width = int(k[d > 0].max())
-        levels, m, rate = self.size(a, width)
+        levels, m, rate = self._size(a, width)
         d = np.minimum(d, levels)
         # no level keeps more than m nodes, and a node outside its level's m best has m better
         # nodes above each descendant: expanding more than m per level drafts what is never kept
@@ -204,6 +207,14 @@ class CostPlanner(RowsJudged, ShapePlanner):
             m = max(m, bucket(d))  # enough for a chain to reach it (else its acceptance is never seen)
         return d, m, rate
 
+    def _size(self, a: int, width: int) -> tuple[int, int, float]:
+        """`size`, kept until what it reads changes (a drafted round's `observe`, the capacity):
+        a batch whose guard says draft and whose model says no asks it every round."""
+        key = (a, width)
+        if key not in self._sized:
+            self._sized[key] = self.size(a, width)
+        return self._sized[key]
+
     def _rates(self, a: int, width: int, kept: bool = True):
         """(D, M, modelled tokens per ms) of every learned depth and node bucket, `a` slots
         (kept=False: the table's alone, bookkeeping not counted)."""
@@ -231,6 +242,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
     def observe(self, plan: RoundPlan, outcome: RoundOutcome, slots: int, round_ms: float, draft_ms: float) -> None:
         accepted = float(outcome.accepted.sum())
         cost = self._cost_ms(round_ms)
+        self._sized = {}  # acceptance, costs and `drafted` move: the sizes are chosen anew
         self._learn_acceptance(outcome, slots)  # every round: acceptance does not depend on warm-up
         if not self._warm(True):
             return  # the first drafted round's time holds one-off costs
@@ -289,7 +301,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
         cost = self._cost_ms(round_ms)
         if self._warm(False):
             self.guard.observe_round(slots, False, cost, slots)
-            self.plain_over = _smooth(self.plain_over, cost - self.costs.cost(self.capacity))
+            self.plain_over = _smooth(self.plain_over, cost - self._fwd(0))
 
 
 class SizedEaglePlanner(CostPlanner):
@@ -316,7 +328,7 @@ class SizedEaglePlanner(CostPlanner):
         if a == 0:
             return None
         d, _ = self.shapes(slots)
-        levels, m, _ = self.size(a, self.TOP_K)
+        levels, m, _ = self._size(a, self.TOP_K)
         return self._fixed(np.minimum(d, levels), min(self.TOP_K, max(m, self.cfg.k_min)), m)
 
     def plain_ahead(self, slots: int, rounds: int) -> bool:

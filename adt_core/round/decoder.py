@@ -140,11 +140,11 @@ class BatchDecoder(SlotTable):
         if not self.slots.active.any():
             return []
         t0 = self.s.timer.mark()
-        if self.planner.reads_rows:
-            self.planner.ragged(*self.ragged_keys())
         plan = self.planner.plan(self.slots)
         if plan is not None and self.forced is not None:
             plan = self.forced.within_row(plan, self.slots)
+        if plan is not None and self.planner.reads_rows:  # the rows a drafted round starts from (plain steps leave them)
+            self.planner.ragged(*self.ragged_keys())
         if plan is None:
             a = self._plain_step(t0)
         else:
