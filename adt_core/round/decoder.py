@@ -14,8 +14,6 @@ step:
   (per-row positions and ancestor masks), verify (verify.follow_batch; the rejection sampler and
   LANTERN's relaxed acceptance verify slot by slot), then the one read: accepted counts and what
   the planner learns. Commit: keep root + accepted path in each cache row, append the tokens.
-  Rows it leaves a few entries apart are padded to one length before the next plain step
-  (`KVCache.align`, within the ALIGN hidden entries a drafting method's rows reserve).
 
 Model families (adt_core/families/contract.py): a slot's rows are prefilled from the family's
 PromptRows (each row its own length); image index i of cache row r sits at base[r] +
@@ -49,7 +47,7 @@ from adt_core.round.planners import planner_for
 from adt_core.round.sampler import Sampler
 from adt_core.round.sampling import cfg_mix
 from adt_core.round.slot_table import Finished, SlotTable
-from adt_core.round.state import ALIGN, CandidateBatch, RoundOutcome, RoundPlan, Slots, TreeBatch, Verified
+from adt_core.round.state import CandidateBatch, RoundOutcome, RoundPlan, Slots, TreeBatch, Verified
 from adt_core.round.tree import rerank_batch
 from adt_core.round.verify import Relaxation, follow_batch, verify_coupled, verify_greedy, verify_stochastic
 
@@ -166,8 +164,6 @@ class BatchDecoder(SlotTable):
         active = s.active.copy()
         position = s.host_count.copy()
         pos = self.seq_pos((s.count - 1)[:, None])  # (R, 1)
-        if self.planner.drafts:  # rows drafted rounds left apart: one length again where their room allows
-            self.cache.align(self.cache_rows(np.flatnonzero(active)), ALIGN)
         start = self.cache.host.copy()
         eol = self.forced.roots(self.slots) if self.forced is not None else None
         tokens = self.ids(self.rows(s.roots()[:, None]))

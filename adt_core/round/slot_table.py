@@ -72,7 +72,7 @@ class SlotTable:
         if rows.size == 0:
             return 0.0, full
         base = self.row_base[rows]
-        lock = base.max() + (self.cache.host[rows] - self.cache.holes[rows] - base).mean()  # holes: no content
+        lock = base.max() + (self.cache.host[rows] - base).mean()
         return float(self.cache.rows * max(self.cache.length - lock, 0.0)), float(full)
 
     @torch.inference_mode()

@@ -74,10 +74,6 @@ class RoundPlan:
     budget: np.ndarray  # (C,) int: drafted nodes slot b may keep (<= M)
 
 
-ALIGN = 16  # hidden entries a drafting method's cache row may hold, so plain steps after drafted rounds
-# run on rows of one length (adt_core/kv_cache.py `align`); 1.5% of a 1024-token image's row
-
-
 @dataclass(frozen=True)
 class Extent:
     """Cache entries a method's rounds need past a row's committed sequence (its planner's
@@ -87,9 +83,8 @@ class Extent:
     fed: int  # drafter-cache entries one round may feed (0: no drafter)
 
     def target_len(self, committed: int) -> int:
-        """A target-cache row: `committed` entries (prompt + generated), the root and the tree, one
-        spare, and for a method that drafts ALIGN hidden entries (`KVCache.align`)."""
-        return committed + self.nodes + 2 + (ALIGN if self.nodes else 0)
+        """A target-cache row: `committed` entries (prompt + generated), the root and the tree, one spare."""
+        return committed + self.nodes + 2
 
     def drafter_len(self, committed: int) -> int:
         """A drafter-cache row: `committed` entries, what one round feeds, one spare."""

@@ -129,16 +129,10 @@ def test_ragged_cache_rows_hold_exactly_the_committed_prefix(method, cfg_scale):
                 ref = fresh_cache_rows(g, dec.meta[b][1], committed)
                 n = ref.length
                 for j, row in enumerate(b + dec.capacity * i for i in range(g.cfg_rows)):
-                    holes = int(dec.cache.holes[row])  # entries `align` hid after drafted rounds
-                    assert int(dec.cache.lengths[row]) == int(dec.cache.host[row]) == t + count - 1 + holes
-                    assert t + count - 1 == n
+                    assert int(dec.cache.lengths[row]) == int(dec.cache.host[row]) == t + count - 1 == n
                     assert torch.equal(dec.cache.valid[row, :t], ref.valid[j, :t])
-                    seen = dec.cache.valid[row, : n + holes].clone()
-                    seen[:t] = True  # caption padding is hidden in both; the rest of the row is its content
-                    assert int(seen.sum()) == n
-                    keep = seen.nonzero().flatten()
-                    torch.testing.assert_close(dec.cache.k[:, row, :, keep], ref.k[:, j, :, :n], atol=1e-5, rtol=1e-4)
-                    torch.testing.assert_close(dec.cache.v[:, row, :, keep], ref.v[:, j, :, :n], atol=1e-5, rtol=1e-4)
+                    torch.testing.assert_close(dec.cache.k[:, row, :, :n], ref.k[:, j, :, :n], atol=1e-5, rtol=1e-4)
+                    torch.testing.assert_close(dec.cache.v[:, row, :, :n], ref.v[:, j, :, :n], atol=1e-5, rtol=1e-4)
             for b in dec.free():  # retired rows are empty again
                 assert all(int(dec.cache.lengths[b + dec.capacity * i]) == 0 for i in range(g.cfg_rows))
     assert done == 5 and rounds > 4
@@ -230,12 +224,12 @@ def test_ragged_keys_count_what_attention_reads_past_a_lockstep_batch():
     assert dec.ragged_keys() == (pytest.approx(6 * (6 - 4)), full)  # 6 rows, longest 6 past the prompt, mean 4
 
 
-def test_aligned_rows_attend_as_the_ragged_rows_did():
-    """`KVCache.align` pads rows a few entries apart to the longest with hidden entries (within
-    the room asked for): the next forward writes slices and reads the same keys, and its logits
-    equal the ragged cache's to float rounding (fp32: a key's place in the sum moved, as a tree
-    verify's does; images stay equal token for token, test_every_image_is_the_image_ar_makes_alone).
-    A row past its room leaves the rows ragged."""
+def test_one_entry_per_ragged_row_is_staged_in_one_column_then_placed_at_each_rows_length():
+    """A plain step on rows of different lengths writes every row's entry in the column past the
+    longest row (a slice: no per-layer indexed copy) and the mask shows each row its own keys and
+    that column; the next length change moves the entries to each row's own length in every
+    layer. The cache then holds what a per-row write leaves, and the logits equal a forward on
+    rows of one length to float rounding (fp32: the new key's place in the sum moved)."""
     import numpy as np
 
     bundle = random_bundle(seed=14, vocab=16, grid=(4, 5))
@@ -243,20 +237,24 @@ def test_aligned_rows_attend_as_the_ragged_rows_did():
     cache = t.new_cache(3, 40)
     cache.k.normal_(), cache.v.normal_()
     cache.set_lengths(np.array([12, 9, 11]))
-    ragged = t.new_cache(3, 40)
-    ragged.k.copy_(cache.k), ragged.v.copy_(cache.v), ragged.set_lengths(cache.host)
-    assert not cache.align(np.arange(3), room=2)  # row 1 needs 3 hidden entries
-    assert cache._uniform is None and cache.holes.tolist() == [0, 0, 0]
-    assert cache.align(np.arange(3), room=3)
-    assert cache.host.tolist() == [12, 12, 12] and cache.holes.tolist() == [0, 3, 1]
-    assert cache.valid[1, 9:12].tolist() == [False] * 3 and cache.valid[1, :9].all()
     tokens, one = torch.tensor([[3], [5], [7]]), torch.ones(3, 1, 1, dtype=torch.bool)
-    pos = torch.tensor([[12], [9], [11]])  # each row's own next position: holes take none
+    pos = torch.tensor([[12], [9], [11]])
+    mask = cache.attn_mask(one)  # (R, 1, 1, 13): own keys, then column 12 for every row
+    assert mask[:, 0, 0].tolist() == [[True] * 13, [True] * 9 + [False] * 3 + [True], [True] * 11 + [False, True]]
     with torch.inference_mode():
-        a, _ = t(pos, cache.attn_mask(one), cache, tokens=tokens)
-        b, _ = t(pos, ragged.attn_mask(one), ragged, tokens=tokens)
-    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        a, _ = t(pos, mask, cache, tokens=tokens)
+    staged_k, staged_v = cache.k[:, :, :, 12].clone(), cache.v[:, :, :, 12].clone()  # (L, R, heads, hd)
     cache.advance(1)
-    cache.set_lengths(np.array([0, 13, 13]))  # row 0 retired: its holes go with it
-    assert cache.holes.tolist() == [0, 3, 1]
-    assert cache.align(np.array([1, 2]), room=3) and cache.holes.tolist() == [0, 3, 1]  # free row 0 ride along
+    for row, at in enumerate([12, 9, 11]):  # placed at each row's length, in every layer
+        assert torch.equal(cache.k[:, row, :, at], staged_k[:, row]) and torch.equal(cache.v[:, row, :, at],
+                                                                                   staged_v[:, row])
+    for row in range(3):  # each row alone, at its own length: the reference
+        alone = t.new_cache(1, 40)
+        n = [12, 9, 11][row]
+        alone.k[:, 0], alone.v[:, 0] = cache.k[:, row], cache.v[:, row]
+        alone.set_lengths(np.array([n]))
+        with torch.inference_mode():
+            b, _ = t(pos[row:row + 1], alone.attn_mask(one[:1]), alone, tokens=tokens[row:row + 1])
+        torch.testing.assert_close(a[row:row + 1], b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(alone.k[:, 0, :, n], cache.k[:, row, :, n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(alone.v[:, 0, :, n], cache.v[:, row, :, n], atol=1e-5, rtol=1e-5)

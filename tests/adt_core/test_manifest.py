@@ -21,7 +21,6 @@ from adt_core.bundles.cache import LocalCache
 from adt_core.bundles.manifest import load_manifest_bundle, read_manifest
 from adt_core.bundles.sources import ChecksumError, ManifestError, sha256_file
 from adt_core.config import SamplingConfig
-from adt_core.round.state import ALIGN
 from adt_core.families.llamagen import weights as llamagen_checkpoints
 from adt_core.families.llamagen.drafter import DrafterConfig
 from adt_core.families.llamagen.drafter import Drafter
@@ -250,8 +249,7 @@ def test_memory_plan_of_llamagen_xl_512():
     assert ar.workspace_bytes == 4 * 128 * 512 * 512 * 4  # estimate: one image decoded to pixels
     spec = bundle_plan(bundle, DecodeConfig(method="eagle2", dtype="bfloat16"), 141 * GB)
     widest = DecodeConfig().adaptive.n_max  # eagle2's tree sized for the device: at most n_max nodes
-    # and ALIGN hidden entries (rows padded to one length after drafted rounds: KVCache.align)
-    assert spec.target_kv_per_image == 2 * 36 * 2 * 1280 * (120 + 1024 + widest + 2 + ALIGN) * 2
+    assert spec.target_kv_per_image == 2 * 36 * 2 * 1280 * (120 + 1024 + widest + 2) * 2
     assert spec.drafter_kv_per_image > 0 and spec.per_image > ar.per_image
     assert 64 == spec.images < spec.fits  # decode.batch_size caps it
     nocfg = bundle_plan(bundle, DecodeConfig(method="ar", dtype="bfloat16", cfg_scale=1.0), 141 * GB)
