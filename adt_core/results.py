@@ -71,6 +71,8 @@ class StepStats:
     draft_ms: float = 0.0  # shares of the rounds' times (round time / images in the round)
     verify_ms: float = 0.0
     total_ms: float = 0.0
+    plain_rounds: int = 0  # the plain steps (no draft) this image took part in
+    plain_ms: float = 0.0  # its share of their time (included in verify_ms)
     batch_size: int = 1  # the engine's in-flight capacity
     rounds: Sequence[RoundTrace] = field(default_factory=list)  # a RoundTraces from the engine
     lossy: bool = False  # True when a relaxed (LANTERN) acceptance was used

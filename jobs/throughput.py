@@ -10,7 +10,8 @@ with the order reversed), each method keeping its faster one; `--control` adds `
 as a method of its own, whose ratio to ar is what the instrument cannot resolve. Reported per
 temperature: images/s, the ratio to `ar` at the same batch size and to the best `ar` cell,
 whether every image equals `ar`'s (greedy and coupled sampling promise it), mean acceptance
-length and nodes per round, for the cost budget its ceiling (the tree its planner rates best at
+length and nodes per round, a plain step's ms per image over `ar`'s (what drafted rounds cost the
+plain steps after them: the rows' spread, bookkeeping), for the cost budget its ceiling (the tree its planner rates best at
 the verify costs, draft-level ms and acceptance per depth it measured, as a multiple of a plain
 step's rate: what a round with free bookkeeping would reach), and the compute floor: model FLOPs per image over the measured
 matmul FLOP/s of this device (what a perfectly efficient AR decoder could reach).
@@ -102,6 +103,14 @@ def level_ms(rounds) -> float:
     return sum(r.draft_ms for r in drafted) / levels if levels else 0.0
 
 
+def plain_ms(stats) -> float:
+    """Wall ms of a plain step per image in it (each image holds its share of its plain rounds'
+    time, `StepStats.plain_ms`): set beside `ar`'s, what drafted rounds cost the plain steps
+    around them (the rows' spread, bookkeeping); 0.0 when no round was plain."""
+    n = sum(s.plain_rounds for s in stats)
+    return sum(s.plain_ms for s in stats) / n if n else 0.0
+
+
 def workload(prompts: list[str], seeds: list[int], count: int) -> tuple[list[str], list[int]]:
     ps = [prompts[i % len(prompts)] for i in range(count)]
     ss = [seeds[i % len(seeds)] + 1000 * (i // len(seeds)) for i in range(count)]
@@ -151,6 +160,7 @@ def summarise(gen: Generator, res: list, wall: float, cpu: float, clock: str) ->
         "nodes_per_round": statistics.mean(r.nodes for r in rounds) if rounds else 0.0,
         "draft_rounds_share": (sum(1 for r in rounds if r.nodes) / len(rounds)) if rounds else 0.0,
         "draft_ms_per_level": level_ms(rounds),
+        "plain_ms_per_image_step": plain_ms(st),
         "sampler": getattr(gen.sampler, "kind", gen.sampler), "tokens": [r.tokens.flatten().tolist() for r in res],
         "ceiling": ceiling(gen),
     }
@@ -221,7 +231,7 @@ def report(out: dict, methods, batches, temps) -> None:
         best_ar = max(cells[f"{t}|{b}|ar"]["images_per_s"] for b in batches)
         print(f"\ntemperature={t}")
         print(f"{'method':<15}{'batch':>6}{'images/s':>10}{'vs ar@batch':>12}{'vs best ar':>11}{'accept len':>11}"
-              f"{'nodes/rnd':>10}{'drafted':>8}{'ms/level':>9}{'ceiling':>14}  equals ar")
+              f"{'nodes/rnd':>10}{'drafted':>8}{'ms/level':>9}{'ceiling':>14}{'plain x ar':>11}  equals ar")
         for b in batches:
             ar = cells[f"{t}|{b}|ar"]
             for m in methods:
@@ -230,10 +240,18 @@ def report(out: dict, methods, batches, temps) -> None:
                 c["vs_best_ar"] = c["images_per_s"] / best_ar
                 exact = c["sampler"] in ("greedy", "coupled")
                 c["equals_ar"] = (c["tokens"] == ar["tokens"]) if exact else None
+                mine, ref = c.get("plain_ms_per_image_step", 0.0), ar.get("plain_ms_per_image_step", 0.0)
+                c["plain_x_ar"] = mine / ref if mine and ref else None
                 print(f"{m:<15}{b:>6}{c['images_per_s']:>10.3f}{c['vs_ar_same_batch']:>11.2f}x{c['vs_best_ar']:>10.2f}x"
                       f"{c['mean_acceptance_length']:>11.2f}{c['nodes_per_round']:>10.1f}{c['draft_rounds_share']:>8.2f}"
                       f"{c.get('draft_ms_per_level', 0.0):>9.2f}{_ceiling(c.get('ceiling')):>14}"
-                      f"  {c['equals_ar'] if exact else '-'}")
+                      f"{_plain(c['plain_x_ar']):>11}  {c['equals_ar'] if exact else '-'}")
+
+
+def _plain(x: float | None) -> str:
+    """'1.02x': a plain step's ms per image over `ar`'s in the same cell (wall clock, the rounds'
+    own timer); '-' where a method ran no plain step."""
+    return "-" if x is None else f"{x:.2f}x"
 
 
 def _ceiling(ce: dict | None) -> str:

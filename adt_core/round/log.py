@@ -121,7 +121,8 @@ class RoundLog:
             target_forwards=int(c["target_forwards"] + plain_n), draft_forwards=int(c["draft_forwards"]),
             draft_tokens=int(c["draft_tokens"]), accepted_draft_tokens=int(c["accepted_draft_tokens"]),
             draft_ms=float(c["draft_ms"]), verify_ms=float(c["verify_ms"] + plain_ms),
-            total_ms=float(c["total_ms"] + plain_ms), batch_size=batch_size, lossy=self.lossy, sampler=self.sampler,
+            total_ms=float(c["total_ms"] + plain_ms), plain_rounds=int(plain_n), plain_ms=float(plain_ms),
+            batch_size=batch_size, lossy=self.lossy, sampler=self.sampler,
         )
         if self.traced:
             rows = self._rows(b)

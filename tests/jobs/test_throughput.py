@@ -29,8 +29,12 @@ def test_throughput_cells_with_control(tmp_path, capsys):
         assert c["images"] == (4 if key.split("|")[1] == "1" else 12)
         assert len(c["passes"]) == 2 and c["images_per_s"] == max(c["passes"])
         assert c["equals_ar"] is True  # greedy at T 0, coupled at the defaults
+        if key.endswith("|ar"):  # ar's plain step per image is the unit
+            assert c["plain_ms_per_image_step"] > 0 and c["plain_x_ar"] == 1.0
+        else:  # a method that drafted every round has none to compare
+            assert (c["plain_x_ar"] is None) is (c["plain_ms_per_image_step"] == 0.0)
     printed = capsys.readouterr().out
-    assert "ar'" in printed and "vs ar@batch" in printed
+    assert "ar'" in printed and "vs ar@batch" in printed and "plain x ar" in printed
 
 
 def test_run_together_charges_every_round_to_its_method(monkeypatch):
