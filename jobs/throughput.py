@@ -11,7 +11,8 @@ as a method of its own, whose ratio to ar is what the instrument cannot resolve.
 temperature: images/s, the ratio to `ar` at the same batch size and to the best `ar` cell,
 whether every image equals `ar`'s (greedy and coupled sampling promise it), mean acceptance
 length and nodes per round, a plain step's ms per image over `ar`'s (what drafted rounds cost the
-plain steps after them: the rows' spread, bookkeeping), for the cost budget its ceiling (the tree its planner rates best at
+plain steps after them: the rows' spread, bookkeeping, the tail's fewer images per step), for the
+cost budget its ceiling (the tree its planner rates best at
 the verify costs, draft-level ms and acceptance per depth it measured, as a multiple of a plain
 step's rate: what a round with free bookkeeping would reach), and the compute floor: model FLOPs per image over the measured
 matmul FLOP/s of this device (what a perfectly efficient AR decoder could reach).
@@ -106,7 +107,8 @@ def level_ms(rounds) -> float:
 def plain_ms(stats) -> float:
     """Wall ms of a plain step per image in it (each image holds its share of its plain rounds'
     time, `StepStats.plain_ms`): set beside `ar`'s, what drafted rounds cost the plain steps
-    around them (the rows' spread, bookkeeping); 0.0 when no round was plain."""
+    around them (the rows' spread, bookkeeping) and a drafting method's tail (images left behind
+    step in fewer slots, each paying more of a step); 0.0 when no round was plain."""
     n = sum(s.plain_rounds for s in stats)
     return sum(s.plain_ms for s in stats) / n if n else 0.0
 
