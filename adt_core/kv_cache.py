@@ -95,14 +95,8 @@ class KVCache:
         if not self._staged:
             return
         self._staged = False
-        top = self._longest
-        short = np.flatnonzero(self.host < top)
-        if short.size == 0:
-            return
-        dev = self.k.device
-        base = self._base[torch.from_numpy(short).to(dev)]  # (n, heads)
-        src = (base + top).flatten()
-        dst = (base + torch.from_numpy(self.host[short]).to(dev)[:, None]).flatten()
+        src = (self._base + self._longest).flatten()  # (R * heads,) all on the device: no copy down
+        dst = (self._base + self.lengths[:, None]).flatten()  # (a longest row's entry stays where it is)
         for flat in self._flat:  # a narrowed cache's buffers are views: per layer
             for part in (flat,) if flat.is_contiguous() else flat:
                 part.index_copy_(-2, dst, part.index_select(-2, src))
