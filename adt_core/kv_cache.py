@@ -142,12 +142,12 @@ class KVCache:
         """
         s = new_mask.shape[-2]
         total = self.length + s
+        dev = self.valid.device
+        if s == 1 and since is None:  # one query per row: its committed keys and itself (at column `length`:
+            j = torch.arange(total, device=dev)[None]  # (1, K)   its own, or staged, `write`), whatever the rows
+            return (((j < self.lengths[:, None]) & self.valid[:, :total]) | (j == self.length))[:, None, None]
         if self._uniform is not None and not isinstance(since, torch.Tensor):
             return self._uniform_mask(new_mask, self._uniform if since is None else since, s, total)
-        dev = self.valid.device
-        if s == 1 and since is None:  # one query per row: its committed keys and itself (staged, `write`)
-            j = torch.arange(total, device=dev)[None]  # (1, K)
-            return (((j < self.lengths[:, None]) & self.valid[:, :total]) | (j == self.length))[:, None, None]
         if s == 1:
             raise ValueError("one new entry per row on rows of different lengths is staged: no `since`")
         since_t = self.lengths if since is None else torch.as_tensor(since, device=dev).expand(self.rows)
