@@ -45,8 +45,9 @@ def _smooth(old: float | None, x: float) -> float:
 class RowsJudged:
     """A cost budget's drafted rounds judged on the rows drafting leaves (adt_core/round/budget.py
     `Ragged`): before each drafted round (once the plan is made; plain steps leave the rows as
-    they are) the decoder passes `ragged` the cached keys its forward reads beyond a lockstep batch's, and those of rows spread evenly over an image
-    (`SlotTable.ragged_keys`, read only for planners with `reads_rows`)."""
+    they are) the decoder passes `ragged` the cached keys its forward reads beyond a lockstep
+    batch's, and those of rows spread evenly over an image (`SlotTable.ragged_keys`, read only
+    for planners with `reads_rows`)."""
 
     reads_rows = True
     rows: Ragged
@@ -111,7 +112,6 @@ class CostPlanner(RowsJudged, ShapePlanner):
         self.hits, self.conf = earlier.hits, earlier.conf
         self.level_ms, self.drafted, self.seen = earlier.level_ms, earlier.drafted, earlier.seen
         self.rows, self.over, self.plain_over = earlier.rows, earlier.over, earlier.plain_over
-        self._sized = {}
 
     def share(self, other: "Planner") -> None:
         if isinstance(other, CostPlanner):

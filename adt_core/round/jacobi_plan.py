@@ -72,8 +72,7 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         self.base: float | None = None  # measured ms of a plain step
         self.over: float | None = None  # measured ms of a drafted round beyond base x the table's ratio
         self.drafted = 0  # drafted rounds since the last plain step
-        self._ratios: dict[tuple[int, int], float] = {}  # (capacity, width) -> `ratio`
-        self._ratio: dict[int, np.ndarray] = {}  # capacity -> (W,) `ratio` of each width
+        self._ratio: dict[int, np.ndarray] = {}  # capacity -> (W,) `ratios`
         self._gains: np.ndarray | None = None  # (W,) `gains`, until a gain changes
         self.real: float | None = None  # drafted rounds' measured tokens per slot and charged ms (smoothed)
         self.run = 0  # drafted rounds in a row so far
@@ -110,15 +109,14 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         self.fresh_rows()
 
     # ---- the model ------------------------------------------------------------------------
-    def ratio(self, m: int) -> float:
-        """The table's forward of C (1 + m) tokens over one of C, non-decreasing in m (kept per
-        capacity: the model reads it for every width every round)."""
+    def ratios(self) -> np.ndarray:
+        """(W,) the table's forward of C (1 + m) tokens over one of C for each width m, made
+        non-decreasing in m (kept per capacity: the model reads it every round)."""
         c = self.capacity
-        key = (c, m)
-        if key not in self._ratios:
-            self._ratios[key] = max([1.0] + [self.costs.cost(c * (1 + w)) / self.costs.cost(c)
-                                             for w in self.widths if w <= m])
-        return self._ratios[key]
+        if c not in self._ratio:
+            r = [self.costs.cost(c * (1 + w)) / self.costs.cost(c) for w in self.widths]
+            self._ratio[c] = np.maximum.accumulate(np.maximum(r, 1.0))
+        return self._ratio[c]
 
     def _base(self) -> float:
         """A plain step's ms: measured, else the cost table's."""
@@ -140,11 +138,8 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
     def rates(self) -> tuple[np.ndarray, float]:
         """Modelled tokens per ms per slot: (W,) of each width, and of a plain step (one numpy
         pass a round: the planner runs on the host before every round, plain ones included)."""
-        c = self.capacity
-        if c not in self._ratio:
-            self._ratio[c] = np.array([self.ratio(w) for w in self.widths])
         base = self._base()
-        return (1 + self.gains()) / np.maximum(base * self._ratio[c] + (self.over or 0.0), 1e-3), 1.0 / base
+        return (1 + self.gains()) / np.maximum(base * self.ratios() + (self.over or 0.0), 1e-3), 1.0 / base
 
     def choice(self) -> int:
         """The width the model rates best (0: a plain step wins). The model must also be borne
@@ -207,7 +202,7 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         if self.run > 1:  # a run's first round pays the switch (and, at start, one-off costs)
             base = self._base()
             ms = self.rows.drafted(self._cost_ms(round_ms))  # on the rows drafting leaves
-            extra = ms - base * self.ratio(m)
+            extra = ms - base * self.ratios()[self.widths.index(m)]  # m: one of the widths (`_pick`)
             self.over = extra if self.over is None else self.over + EMA * (extra - self.over)
             real = (1 + float(outcome.accepted.sum()) / max(slots, 1)) / max(ms, 1e-6)  # per slot and ms
             self.real = real if self.real is None else self.real + EMA * (real - self.real)
