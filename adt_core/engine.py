@@ -110,7 +110,7 @@ class Generator:
                 used += n
                 yield failed + (list(self._finish(dec.admit(items, part))) if items else [])
                 continue
-            done = list(self._finish(dec.step()))
+            done = list(self._finish(dec.step(held=bool(free and (ready or queue)))))
             if not (queue or ready):
                 dec.narrow()  # the tail: its images go on in fewer slots
             yield done

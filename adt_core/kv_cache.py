@@ -12,10 +12,15 @@ own length, caption padding (`valid` False: LlamaGen masks padded caption keys f
 rows) and whatever a tree mask hides. While every row has the same length (prefill, uniform
 steps) writes are plain slices. Once drafted rounds have left rows at different lengths, a plain
 step's one entry per row is staged in the column past the longest row (a slice, as a uniform
-write; the mask shows each row its own keys and that column) and placed at each row's own length
-in one gather and copy over all layers before the lengths next change (`_place`): one copy per
-step instead of an indexed copy per layer (2.4x a slice write inside the model's forward on a
-CPU; on a GPU a third of the launches). Wider ragged writes (tree verifies) scatter per row.
+write), and so are the next plain steps' (the stage: columns `_longest - _nst ..` hold every
+row's last `_nst` entries; the mask shows each row its own keys and the stage). Attention reads
+the same keys either way (up to the longest row). The stage moves to each row's own length in one
+gather and copy over all layers only when something needs rows in place (a tree's mask, a
+verify's compaction, an admission, a narrowed batch: `place`); a retired row, emptied, needs
+nothing. Placing each step's entry as it came cost 2.4x a slice inside the model's forward on a
+CPU as a per-layer indexed copy, and still 2 ms of a 57 ms step (emoji16, 64 images) as one copy
+over all layers (3,072 scattered rows, cold in the CPU's caches): a run of plain steps now pays
+one copy of contiguous runs. Wider ragged writes (tree verifies) scatter per row.
 
 Lengths live on the host (`host`, numpy) and are mirrored to the device (`lengths`): every change
 is host arithmetic copied down, never a read back, so the round's bookkeeping never waits for
@@ -47,7 +52,8 @@ class KVCache:
         self.host = np.zeros(rows, dtype=np.int64)  # (R,) the same lengths, on the host
         self._uniform: int | None = 0  # the common length while all rows share one, else None
         self._longest = 0  # max(lengths), kept on the host (no device sync per layer)
-        self._staged = False  # one entry per row written in column `_longest`, not yet placed (`_place`)
+        self._nst = 0  # staged columns: each row's last _nst entries sit at columns _longest - _nst .. _longest - 1
+        self._fresh = False  # this forward's one entry per row was staged (the next `advance` adds it to the stage)
         # (R, heads): where each row's head h starts in a layer's buffer viewed as (R * heads * max_len, hd)
         self._base = (torch.arange(rows, device=device)[:, None] * n_head + torch.arange(n_head, device=device)) * max_len
         self._flat = tuple(x.view(n_layer, rows * n_head * max_len, head_dim) for x in (self.k, self.v))  # same storage
@@ -62,7 +68,8 @@ class KVCache:
 
     @property
     def length(self) -> int:
-        """The longest row's length (every row's while they are uniform)."""
+        """The keys a forward reads before its new ones: the longest row's length (every row's while
+        they are uniform; staged entries sit below it)."""
         return self._longest
 
     def nbytes(self) -> int:
@@ -77,32 +84,42 @@ class KVCache:
         if end > self.max_len:
             raise RuntimeError(f"KV cache overflow: {end} > {self.max_len}")
         if self._uniform is not None or s == 1:  # rows of one length, or one entry per row (staged)
-            if layer == 0:
-                self._place()  # a new forward over the same lengths: the last one's entries first
             self.k[layer, :, :, self._longest : end] = k
             self.v[layer, :, :, self._longest : end] = v
-            self._staged = self._uniform is None
-        else:
+            self._fresh = self._uniform is None
+        else:  # (`attn_mask` placed any stage)
             idx = (self.lengths[:, None] + torch.arange(s, device=k.device))[:, None, :, None]  # (R, 1, S, 1)
             idx = idx.expand(-1, k.shape[1], -1, k.shape[3])
             self.k[layer].scatter_(2, idx, k)
             self.v[layer].scatter_(2, idx, v)
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
-    def _place(self) -> None:
-        """Staged entries (column `_longest`) to each shorter row's own length, in every layer:
-        one gather and one copy per buffer. What a per-row write would have left."""
-        if not self._staged:
+    def place(self) -> None:
+        """The stage (each row's last `_nst` entries, at columns `_longest - _nst ..`) to each row's
+        own length, in every layer: one gather and one copy per buffer. What per-row writes would
+        have left (an emptied row takes garbage at 0 .. _nst - 1: it holds nothing)."""
+        n = self._nst
+        if n == 0:
             return
-        self._staged = False
-        src = (self._base + self._longest).flatten()  # (R * heads,) all on the device: no copy down
-        dst = (self._base + self.lengths[:, None]).flatten()  # (a longest row's entry stays where it is)
+        self._nst = 0
+        j = torch.arange(n, device=self.lengths.device)
+        own = (self.lengths - n).clamp(min=0)  # (R,) entries in place; all on the device: no copy down
+        src = (self._base[:, :, None] + (self._longest - n) + j).flatten()  # (R * heads * n,)
+        dst = (self._base[:, :, None] + own[:, None, None] + j).flatten()  # (a longest row's: onto themselves)
         for flat in self._flat:  # a narrowed cache's buffers are views: per layer
             for part in (flat,) if flat.is_contiguous() else flat:
                 part.index_copy_(-2, dst, part.index_select(-2, src))
+        lo, hi = int(self.host.min()), int(self.host.max())
+        self._longest, self._uniform = hi, (hi if lo == hi else None)
 
     def advance(self, n: int) -> None:
-        self._place()
+        if self._fresh:  # this forward's staged entry (n == 1) joins the stage
+            self._fresh, self._nst = False, self._nst + 1
+            self.lengths += 1
+            self.host += 1
+            self._longest += 1
+            return
+        self.place()
         self.lengths += n
         self.host += n
         self._longest += n
@@ -112,7 +129,11 @@ class KVCache:
     def set_lengths(self, lengths: np.ndarray | torch.Tensor) -> None:
         """Per-row lengths (R,), from the host (a numpy array; a tensor is read back once)."""
         host = lengths.detach().cpu().numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths)
-        self._place()
+        if self._nst and host.max(initial=0) > 0 and bool(((host == self.host) | (host == 0)).all()):
+            self.host = host.astype(np.int64, copy=True)  # rows emptied (free slots) only: the stage stays
+            self.lengths = torch.from_numpy(self.host.copy()).to(self.lengths.device)
+            return
+        self.place()
         self.host = host.astype(np.int64, copy=True)
         self.lengths = torch.from_numpy(self.host.copy()).to(self.lengths.device)
         lo, hi = int(self.host.min()), int(self.host.max())
@@ -143,9 +164,12 @@ class KVCache:
         s = new_mask.shape[-2]
         total = self.length + s
         dev = self.valid.device
-        if s == 1 and since is None:  # one query per row: its committed keys and itself (at column `length`:
-            j = torch.arange(total, device=dev)[None]  # (1, K)   its own, or staged, `write`), whatever the rows
-            return (((j < self.lengths[:, None]) & self.valid[:, :total]) | (j == self.length))[:, None, None]
+        if s == 1 and since is None:  # one query per row: its keys in place, the stage and itself (column
+            j = torch.arange(total, device=dev)[None]  # (1, K)   `length`: its own, or staged, `write`)
+            own = (self.lengths - self._nst)[:, None]  # (R, 1)
+            return (((j < own) & self.valid[:, :total]) | (j >= self.length - self._nst))[:, None, None]
+        self.place()  # wider queries see rows in place
+        total = self.length + s
         if self._uniform is not None and not isinstance(since, torch.Tensor):
             return self._uniform_mask(new_mask, self._uniform if since is None else since, s, total)
         if s == 1:
@@ -179,7 +203,7 @@ class KVCache:
         """Keep rows `rows` (n,) as rows 0 .. n - 1 (a batch's tail moved to fewer slots). They
         move within the buffers one layer at a time (the only extra memory is one layer's kept
         rows), and the buffers become views of their first n rows: later forwards compute n rows."""
-        self._place()
+        self.place()
         n, dev = len(rows), self.k.device
         idx = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(dev)
         for buf in (self.k, self.v):
@@ -197,7 +221,7 @@ class KVCache:
         """Per row r keep slots start[r] + idx[r, :counts[r]] (ascending), compacted to
         start[r] .. start[r] + counts[r]. start, counts (R,) on the host; idx (R, m) on the device,
         padded past counts[r] (any in-range value); idx[:, 0] is 0 (the root stays where it is)."""
-        self._place()
+        self.place()
         hi = min(int(np.max(counts, initial=0)), idx.shape[1])  # columns past every row's count: nothing to keep
         if hi > 1:
             dev = self.k.device
@@ -212,8 +236,8 @@ class KVCache:
 
     def load_rows(self, rows: torch.Tensor, other: "KVCache") -> None:
         """Copy `other`'s rows (e.g. a prefill) into these rows; each takes its row's length there."""
-        self._place()
-        other._place()
+        self.place()
+        other.place()
         n = other.length
         rows = rows.to(self.k.device)
         self.k[:, rows, :, :n] = other.k[:, :, :, :n]

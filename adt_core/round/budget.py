@@ -162,10 +162,14 @@ class BatchBudget:
         bucket, or a probe of the losing choice): the planner's model may not veto it."""
         return self._choice(self.bucket(a)) is None or self.since_probe >= self.probe_every
 
+    def holds(self, a: int) -> bool:
+        """True when plain steps are the choice for `a` slots (a probe of drafting may be due)."""
+        return self._choice(self.bucket(a)) is False
+
     def plain_ahead(self, a: int, rounds: int) -> bool:
         """True when the next `rounds` rounds of `a` slots will be plain steps (the drafter then
         needs none of their pairs)."""
-        return self._choice(self.bucket(a)) is False and self.since_probe + rounds < self.probe_every
+        return self.holds(a) and self.since_probe + rounds < self.probe_every
 
     def observe_round(self, a: int, drafted: bool, ms: float, tokens: int) -> None:
         """A finished round with `a` slots: whether it drafted, its ms, tokens committed."""

@@ -139,8 +139,8 @@ class CostPlanner(RowsJudged, ShapePlanner):
     def plan(self, slots: Slots) -> RoundPlan | None:
         self._c0 = time.process_time() * 1000.0
         a = int(slots.active.sum())
-        if a == 0 or not self.guard.worth_drafting(a):
-            return None
+        if a == 0 or slots.held or not self.guard.worth_drafting(a):
+            return None  # (held: a wave's free slots wait; a due probe waits for the refill)
         d, k = self.shapes(slots)
         if d.max(initial=0) <= 0:
             return None
@@ -297,6 +297,9 @@ class CostPlanner(RowsJudged, ShapePlanner):
     def plain_ahead(self, slots: int, rounds: int) -> bool:
         return self.guard.plain_ahead(slots, rounds)
 
+    def holds(self, slots: int) -> bool:
+        return self.guard.holds(slots)
+
     def observe_plain(self, slots: int, round_ms: float) -> None:
         cost = self._cost_ms(round_ms)
         if self._warm(False):
@@ -332,4 +335,7 @@ class SizedEaglePlanner(CostPlanner):
         return self._fixed(np.minimum(d, levels), min(self.TOP_K, max(m, self.cfg.k_min)), m)
 
     def plain_ahead(self, slots: int, rounds: int) -> bool:
+        return False
+
+    def holds(self, slots: int) -> bool:
         return False

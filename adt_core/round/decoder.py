@@ -133,10 +133,12 @@ class BatchDecoder(SlotTable):
 
     # ---- one round ----------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self) -> list[Finished]:
-        """One round over every active slot; returns the images that finished."""
+    def step(self, held: bool = False) -> list[Finished]:
+        """One round over every active slot; returns the images that finished. held: free slots
+        wait for the rest of their wave (`admits_now`), so the planner's probes wait too."""
         if not self.slots.active.any():
             return []
+        self.slots.held = held
         t0 = self.s.timer.mark()
         plan = self.planner.plan(self.slots)
         if plan is not None and self.forced is not None:

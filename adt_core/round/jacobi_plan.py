@@ -178,8 +178,8 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
     # ---- planner interface ------------------------------------------------------------------
     def plan(self, slots: Slots) -> RoundPlan | None:
         self._c0 = time.process_time() * 1000.0
-        if not slots.active.any():
-            return None
+        if not slots.active.any() or slots.held:
+            return None  # (held: a wave's free slots wait for the rest of it; a probe waits for the refill)
         m = self._pick()
         if m == 0:
             return None
@@ -222,6 +222,11 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
             self.probe = min((4 if clear else 2) * self.probe, PROBE_MAX) if same else PROBE
             self.behind = clear and same
             self.trying = 0
+
+    def holds(self, slots: int) -> bool:
+        """Plain steps are the model's choice: refilled one by one instead, the rows spread over
+        the image and every later step read ~35 keys per row more (emoji16, B 16, the defaults)."""
+        return self.choice() == 0
 
     def observe_plain(self, slots: int, round_ms: float) -> None:
         self.run, self.drafted, self.last, self.same = 0, 0, 0, 0

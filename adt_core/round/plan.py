@@ -97,6 +97,12 @@ class Planner:
         `ar`, whose slots finish together, nor for the methods that always draft)."""
         return False
 
+    def holds(self, slots: int) -> bool:
+        """True when plain steps are this planner's choice with `slots` active, its probes aside:
+        a wave's free slots may then wait for the rest of it (`SlotTable.admits_now`), and the
+        rounds while they wait are plain steps (`Slots.held`; a probe waits for the refill)."""
+        return False
+
     def feeds_drafter(self, slots: int) -> bool:
         """Whether a plain step with `slots` active must keep its pairs for the drafter (False
         when the next RESUME rounds will not draft: their pairs are skipped for good)."""

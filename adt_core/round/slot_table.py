@@ -44,15 +44,16 @@ class SlotTable:
     def admits_now(self) -> bool:
         """Whether free slots take new images now (`Generator.rounds` asks before refilling). A
         probe leaves slots a token or two apart; refilled at once, the wave stays split (plain
-        steps on the cache's ragged path, prefills in small groups). While plain steps are ahead
-        the free slots wait for the rest of the wave, at most HOLD of an image's rounds of idle
-        batch (free fraction x rounds left), and the wave refills together, as `ar`'s does."""
+        steps on the cache's ragged path, prefills in small groups). While plain steps are the
+        planner's choice (`holds`: a due probe waits for the refill, `Slots.held`) the free slots
+        wait for the rest of the wave, at most HOLD of an image's rounds of idle batch (free
+        fraction x rounds left), and the wave refills together, as `ar`'s does."""
         s = self.slots
         a = int(s.active.sum())
         if a == 0 or a == self.capacity:
             return True
         left = int(np.max(self.n - s.host_count[s.active]))
-        if not self.planner.plain_ahead(a, left):
+        if not self.planner.holds(a):
             return True
         return (1 - a / self.capacity) * left > HOLD * self.n
 

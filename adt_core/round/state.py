@@ -27,6 +27,7 @@ class Slots:
     host_count: np.ndarray  # (C,) int64: the same counts on the host
     active: np.ndarray  # (C,) bool: slot holds an image
     gens: list[torch.Generator | None]  # per slot: the rejection sampler's randomness
+    held: bool = False  # free slots wait for the rest of their wave (`SlotTable.admits_now`): a plain step
 
     @classmethod
     def empty(cls, capacity: int, n_tokens: int, device: torch.device) -> "Slots":

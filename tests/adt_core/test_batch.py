@@ -123,6 +123,7 @@ def test_ragged_cache_rows_hold_exactly_the_committed_prefix(method, cfg_scale):
                 narrowed.append(dec.capacity)
                 nbytes = dec.cache.nbytes()
             assert dec.cache.nbytes() == nbytes  # preallocated once: no growth with rounds
+            dec.cache.place()  # staged entries (a run of plain steps on ragged rows) at each row's own places
             for b in dec.active():
                 count = int(dec.slots.host_count[b])
                 committed = dec.slots.tokens[b, :count].tolist()
@@ -151,10 +152,10 @@ def test_the_tail_of_a_batch_computes_only_its_images_and_keeps_their_stats(monk
     rows, in_step = [], []
     step, forward = BatchDecoder.step, bundle.target.forward
 
-    def counted_step(self):
+    def counted_step(self, **kw):
         in_step.append(True)
         try:
-            return step(self)
+            return step(self, **kw)
         finally:
             in_step.pop()
 
@@ -187,7 +188,7 @@ def test_a_split_wave_waits_briefly_to_refill_together_while_plain_steps_are_ahe
     d = g.decoder(4)
     items, rows, _ = g._encode([(i, p, s) for i, (p, s) in enumerate(zip(PROMPTS[:4], SEEDS))])
     d.admit(items, rows)
-    d.planner.plain_ahead = lambda slots, rounds: True
+    d.planner.holds = lambda slots: True
     n = d.n
     d.slots.active[0] = False  # one slot finished a round early
     d.slots.host_count[1:] = n - 2  # the others need 2 more rounds: 1/4 idle x 2 = 0.5 <= 0.64
@@ -195,12 +196,42 @@ def test_a_split_wave_waits_briefly_to_refill_together_while_plain_steps_are_ahe
     d.slots.host_count[1:] = n - 3  # 0.75 rounds of idle batch: refill now
     assert d.admits_now()
     d.slots.host_count[1:] = n - 2
-    d.planner.plain_ahead = lambda slots, rounds: False  # drafting ahead: rows stay ragged anyway
+    d.planner.holds = lambda slots: False  # drafting ahead: rows stay ragged anyway
     assert d.admits_now()
     ar = Generator(bundle, DecodeConfig(method="ar", temperature=0.0, batch_size=4)).decoder(4)
     ar.admit(items, rows)
     ar.slots.active[0], ar.slots.host_count[1:] = False, n - 2
     assert ar.admits_now()  # ar never waits (its slots finish together unless a prompt failed)
+
+
+@pytest.mark.parametrize("method", ["adt", "jacobi"])
+def test_while_a_wave_waits_to_refill_its_rounds_are_plain_steps_and_a_due_probe_waits(method):
+    """A round run while free slots wait for the rest of their wave (`held`) is a plain step even
+    where the planner would draft (a probe now would spread the rows the wait gathers); the next
+    round, refilled, drafts. Jacobi's planner holds a wave exactly while its model chooses plain
+    steps."""
+    bundle = random_bundle(seed=5, vocab=16, grid=(8, 8))
+    g = Generator(bundle, DecodeConfig(method=method, temperature=0.0, batch_size=4,
+                                       adaptive=AdaptiveConfig(budget="cost")))
+    g.use_costs(COSTS)
+    d = g.decoder(4)
+    items, rows, _ = g._encode([(i, p, s) for i, (p, s) in enumerate(zip(PROMPTS[:4], SEEDS))])
+    d.admit(items, rows)
+    p, kinds = d.planner, []
+    if method == "adt":
+        p.guard.worth_drafting = lambda a: True  # a probe is due
+    else:
+        p._pick = lambda: 4
+    p.observe = lambda *a: kinds.append("drafted")
+    p.observe_plain = lambda *a: kinds.append("plain")
+    d.step(held=True)
+    d.step()
+    assert kinds == ["plain", "drafted"]
+    if method == "jacobi":
+        p.base, p.real, p.over = 10.0, 0.001, 0.0  # drafted rounds measured far behind plain steps
+        assert p.choice() == 0 and p.holds(3)
+        p.real, p.gain, p._gains = None, {w: 8.0 for w in p.widths}, None  # the model rates drafting far ahead
+        assert p.choice() > 0 and not p.holds(3)
 
 
 def test_ragged_keys_count_what_attention_reads_past_a_lockstep_batch():
@@ -224,37 +255,50 @@ def test_ragged_keys_count_what_attention_reads_past_a_lockstep_batch():
     assert dec.ragged_keys() == (pytest.approx(6 * (6 - 4)), full)  # 6 rows, longest 6 past the prompt, mean 4
 
 
-def test_one_entry_per_ragged_row_is_staged_in_one_column_then_placed_at_each_rows_length():
-    """A plain step on rows of different lengths writes every row's entry in the column past the
-    longest row (a slice: no per-layer indexed copy) and the mask shows each row its own keys and
-    that column; the next length change moves the entries to each row's own length in every
-    layer. The cache then holds what a per-row write leaves, and the logits equal a forward on
-    rows of one length to float rounding (fp32: the new key's place in the sum moved)."""
+def test_plain_steps_on_ragged_rows_stage_their_entries_past_the_longest_row_then_place_them_at_once():
+    """Plain steps on rows of different lengths write every row's entry in the column past the
+    longest row (a slice: no per-layer indexed copy), and the next plain steps' in the columns after
+    it (the stage); each step's mask shows a row its own keys, the stage and itself. An emptied row
+    (a retired image) keeps the stage; anything that needs rows in place (here `set_lengths` to new
+    lengths) moves the stage to each row's own length in every layer. The cache then holds what
+    per-row writes leave, and every step's logits equal each row's own forward at its own length to
+    float rounding (fp32: the keys' order in the sum moved)."""
     import numpy as np
 
     bundle = random_bundle(seed=14, vocab=16, grid=(4, 5))
     t = bundle.target
-    cache = t.new_cache(3, 40)
+    lengths = [12, 9, 11, 4]
+    cache = t.new_cache(4, 40)
     cache.k.normal_(), cache.v.normal_()
-    cache.set_lengths(np.array([12, 9, 11]))
-    tokens, one = torch.tensor([[3], [5], [7]]), torch.ones(3, 1, 1, dtype=torch.bool)
-    pos = torch.tensor([[12], [9], [11]])
-    mask = cache.attn_mask(one)  # (R, 1, 1, 13): own keys, then column 12 for every row
-    assert mask[:, 0, 0].tolist() == [[True] * 13, [True] * 9 + [False] * 3 + [True], [True] * 11 + [False, True]]
-    with torch.inference_mode():
-        a, _ = t(pos, mask, cache, tokens=tokens)
-    staged_k, staged_v = cache.k[:, :, :, 12].clone(), cache.v[:, :, :, 12].clone()  # (L, R, heads, hd)
-    cache.advance(1)
-    for row, at in enumerate([12, 9, 11]):  # placed at each row's length, in every layer
-        assert torch.equal(cache.k[:, row, :, at], staged_k[:, row]) and torch.equal(cache.v[:, row, :, at],
-                                                                                   staged_v[:, row])
-    for row in range(3):  # each row alone, at its own length: the reference
+    cache.set_lengths(np.array(lengths))
+    refs = []
+    for row, n in enumerate(lengths):  # each row alone, at its own length: the reference
         alone = t.new_cache(1, 40)
-        n = [12, 9, 11][row]
         alone.k[:, 0], alone.v[:, 0] = cache.k[:, row], cache.v[:, row]
         alone.set_lengths(np.array([n]))
+        refs.append(alone)
+    one = torch.ones(4, 1, 1, dtype=torch.bool)
+    for step, toks in enumerate([[3, 5, 7, 1], [2, 4, 6, 8], [1, 1, 2, 2]]):
+        tokens = torch.tensor(toks)[:, None]
+        pos = torch.tensor(lengths)[:, None] + step
+        mask = cache.attn_mask(one)  # (R, 1, 1, 12 + step + 1)
+        if step == 0:  # own keys, then column 12 for every row
+            assert mask[:2, 0, 0].tolist() == [[True] * 13, [True] * 9 + [False] * 3 + [True]]
+        else:  # own keys, the stage (columns 12 ..) and itself
+            assert mask[1, 0, 0].tolist() == [True] * 9 + [False] * 3 + [True] * (step + 1)
         with torch.inference_mode():
-            b, _ = t(pos[row:row + 1], alone.attn_mask(one[:1]), alone, tokens=tokens[row:row + 1])
-        torch.testing.assert_close(a[row:row + 1], b, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(alone.k[:, 0, :, n], cache.k[:, row, :, n], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(alone.v[:, 0, :, n], cache.v[:, row, :, n], atol=1e-5, rtol=1e-5)
+            a, _ = t(pos, mask, cache, tokens=tokens)
+            for row, ref in enumerate(refs[:4 if step < 2 else 3]):  # (row 3 is emptied after step 1)
+                b, _ = t(pos[row:row + 1], ref.attn_mask(one[:1]), ref, tokens=tokens[row:row + 1])
+                torch.testing.assert_close(a[row:row + 1], b, atol=1e-5, rtol=1e-5)
+        assert cache.length == 13 + step and cache.host[:3].tolist() == [n + step + 1 for n in lengths[:3]]
+        if step == 1:
+            staged = cache.k[:, 2, :, 12:14].clone()  # row 2's last two entries, staged (L, heads, 2, hd)
+            cache.set_lengths(np.array([14, 11, 13, 0]))  # row 3 emptied (retired): the stage stays
+            assert cache.length == 14 and torch.equal(cache.k[:, 2, :, 12:14], staged)
+    cache.set_lengths(cache.host - np.array([0, 0, 1, 0]))  # rows needed in place: the stage moves
+    assert cache.length == 15
+    for row in range(3):
+        n = int(cache.host[row])
+        torch.testing.assert_close(refs[row].k[:, 0, :, :n], cache.k[:, row, :, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(refs[row].v[:, 0, :, :n], cache.v[:, row, :, :n], atol=1e-5, rtol=1e-5)
