@@ -109,6 +109,10 @@ class KVCache:
         for flat in self._flat:  # a narrowed cache's buffers are views: per layer
             for part in (flat,) if flat.is_contiguous() else flat:
                 part.index_copy_(-2, dst, part.index_select(-2, src))
+        self._bounds()
+
+    def _bounds(self) -> None:
+        """`_longest` and `_uniform` from the host lengths (rows in place)."""
         lo, hi = int(self.host.min()), int(self.host.max())
         self._longest, self._uniform = hi, (hi if lo == hi else None)
 
@@ -129,16 +133,14 @@ class KVCache:
     def set_lengths(self, lengths: np.ndarray | torch.Tensor) -> None:
         """Per-row lengths (R,), from the host (a numpy array; a tensor is read back once)."""
         host = lengths.detach().cpu().numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths)
-        if self._nst and host.max(initial=0) > 0 and bool(((host == self.host) | (host == 0)).all()):
-            self.host = host.astype(np.int64, copy=True)  # rows emptied (free slots) only: the stage stays
-            self.lengths = torch.from_numpy(self.host.copy()).to(self.lengths.device)
-            return
-        self.place()
+        # rows emptied (free slots) only: the stage stays, and so do the columns read
+        keep = self._nst and host.max(initial=0) > 0 and bool(((host == self.host) | (host == 0)).all())
+        if not keep:
+            self.place()
         self.host = host.astype(np.int64, copy=True)
         self.lengths = torch.from_numpy(self.host.copy()).to(self.lengths.device)
-        lo, hi = int(self.host.min()), int(self.host.max())
-        self._longest = hi
-        self._uniform = hi if lo == hi else None
+        if not keep:
+            self._bounds()
 
     def truncate(self, length: int | np.ndarray | torch.Tensor) -> None:
         """Back to `length` (one for every row, or per row (R,)); never past a row's length."""
@@ -162,10 +164,10 @@ class KVCache:
         caption row or a padding node never has an empty row).
         """
         s = new_mask.shape[-2]
-        total = self.length + s
         dev = self.valid.device
         if s == 1 and since is None:  # one query per row: its keys in place, the stage and itself (column
-            j = torch.arange(total, device=dev)[None]  # (1, K)   `length`: its own, or staged, `write`)
+            total = self.length + 1  # `length`: its own, or staged, `write`)
+            j = torch.arange(total, device=dev)[None]  # (1, K)
             own = (self.lengths - self._nst)[:, None]  # (R, 1)
             return (((j < own) & self.valid[:, :total]) | (j >= self.length - self._nst))[:, None, None]
         self.place()  # wider queries see rows in place
