@@ -146,6 +146,17 @@ def test_one_slow_plain_step_does_not_start_a_run_of_drafts():
     assert sum(drafted[6:]) <= 8 * PROBE_RUN  # then probes only (sooner while fewer than 2 x samples comparisons: not yet sure)
 
 
+def test_three_clear_comparisons_settle_the_call_and_a_near_tie_waits_for_more():
+    """Before SURE_AFTER x samples comparisons a call is sure only when every comparison is more
+    than SPREAD from the tie on one side (emoji16 at B 64: 0.67, 0.71, 0.86)."""
+    from adt_core.round.budget import _sure
+
+    assert _sure([0.67, 0.71, 0.86]) and _sure([1.3, 1.4, 1.25])
+    assert not _sure([0.67, 0.71, 0.95])  # one reading near the tie: more comparisons first
+    assert not _sure([0.67, 0.71])  # fewer than `samples`
+    assert not _sure([0.8, 1.3, 0.7])  # readings on both sides
+
+
 def test_batch_budget_compares_adjacent_rounds_only_as_steps_grow_slower():
     """A step's cost grows along the image (attention reads every cached key): a drafted round
     measured early must not look faster than plain steps measured late. Drafting here commits
