@@ -14,13 +14,17 @@ steps) writes are plain slices. Once drafted rounds have left rows at different 
 step's one entry per row is staged in the column past the longest row (a slice, as a uniform
 write), and so are the next plain steps' (the stage: columns `_longest - _nst ..` hold every
 row's last `_nst` entries; the mask shows each row its own keys and the stage). Attention reads
-the same keys either way (up to the longest row). The stage moves to each row's own length in one
-gather and copy over all layers only when something needs rows in place (a tree's mask, a
-verify's compaction, an admission, a narrowed batch: `place`); a retired row, emptied, needs
-nothing. Placing each step's entry as it came cost 2.4x a slice inside the model's forward on a
-CPU as a per-layer indexed copy, and still 2 ms of a 57 ms step (emoji16, 64 images) as one copy
-over all layers (3,072 scattered rows, cold in the CPU's caches): a run of plain steps now pays
-one copy of contiguous runs. Wider ragged writes (tree verifies) scatter per row.
+the same keys either way (up to the longest row). Only when something needs rows in place (a
+tree's mask, a verify's compaction, an admission, a narrowed batch: `place`) does each row close
+the gap between its own entries and the stage, moving as many of its latest staged entries into
+it, in one gather and copy over all layers: a row then holds its entries at 0 .. length - 1, the
+latest in any order (attention sums over a row's keys, each carrying its rotated position; only
+entries written after the placing, a tree's nodes, are ever cut). A longest row, and a retired
+one, move nothing. Placing each step's entry as it came cost 2.4x a slice inside the model's
+forward on a CPU as a per-layer indexed copy, and still 2 ms of a 57 ms step (emoji16, 64 images)
+as one copy over all layers (3,072 scattered rows, cold in the CPU's caches); moving every staged
+entry at once cost 65 ms of the first drafted round after ~100 plain steps there, moving the gaps'
+worth ~3 ms. Wider ragged writes (tree verifies) scatter per row.
 
 Lengths live on the host (`host`, numpy) and are mirrored to the device (`lengths`): every change
 is host arithmetic copied down, never a read back, so the round's bookkeeping never waits for

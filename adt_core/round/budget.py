@@ -225,13 +225,12 @@ def _sure(ratios: list[float], samples: int = SAMPLES) -> bool:
     """Whether the median log ratio is SURE standard errors from a tie (log EDGE). The spread is
     the median absolute deviation (one slow round must not make a clear loss look unsure), at
     least SPREAD (a few equal comparisons prove little on a noisy machine). Before SURE_AFTER x
-    `samples` comparisons only a clear call is sure: every comparison more than SPREAD from the
-    tie on the same side (three unlucky readings must not settle a near tie; three readings of
-    0.67-0.86 at emoji16 B 64 are no near tie, and probing them as one cost nine drafted rounds
-    at a 30% loss)."""
+    `samples` comparisons every comparison must also lie on the same side of the tie (three
+    unlucky readings must not settle a near tie; three readings of 0.67-0.86 at emoji16 B 64 are
+    no near tie, and probing them as one cost nine drafted rounds at a 30% loss)."""
     logs = np.log(np.maximum(np.asarray(ratios, dtype=float), 1e-9)) - np.log(EDGE)
     if samples > 1 and len(ratios) < SURE_AFTER * samples and not (
-            len(ratios) >= samples and ((logs > SPREAD).all() or (logs < -SPREAD).all())):
+            len(ratios) >= samples and ((logs > 0).all() or (logs < 0).all())):
         return False
     mid = float(np.median(logs))
     sd = max(1.4826 * float(np.median(np.abs(logs - mid))), SPREAD)

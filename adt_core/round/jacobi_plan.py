@@ -13,15 +13,18 @@ comes from a model measured on this device and these images:
   forward of C (1 + m) tokens to one of C (C the capacity; the ratio made non-decreasing in m),
   plus the measured overhead of a drafted round (scoring, tree building, the carry). Only the
   table's shape is used: it is timed once (on a CPU by this process's CPU time, as the rounds
-  are), and the images' growing rows shift a step's cost since. While drafting wins, one
-  plain step every PLAIN_EVERY rounds keeps `base` measured.
+  are), and the images' growing rows shift a step's cost since. A decoder's first rounds are
+  plain steps that measure it (the first one's time, holding one-off costs, is not kept), and
+  while drafting wins one plain step every PLAIN_EVERY rounds keeps it measured; a narrowed
+  batch scales it by the table until measured again.
 
 M is the width bucket with the best modelled rate; the round drafts when that beats a plain
-step's modelled rate by EDGE. Every `probe` rounds a neighbour of the best width (one bucket
-wider or narrower, in turn; the best width itself while plain steps win) runs RUN rounds, the
-interval doubling (to PROBE_MAX; four-fold, and the next probe SHORT rounds, while drafted rounds
-ran at under CLEAR of a plain step's rate) while probes leave the choice as it was, so a change
-(an easier region, fewer images in flight) is noticed.
+step's modelled rate by EDGE, and while the drafted rounds as they ran (`real`, the mean of the
+first readings, then an EMA) beat a plain step. Every `probe` rounds a neighbour of the best
+width (one bucket wider or narrower, in turn) runs RUN rounds, or, while plain steps win, the best
+width SHORT rounds; the interval doubles (to PROBE_MAX; four-fold, and the next probe SHORT
+rounds, while drafted rounds ran at under CLEAR of a plain step's rate) while probes leave the
+choice as it was, so a change (an easier region, fewer images in flight) is noticed.
 
 Why not adt's `BatchBudget` verdict: a Jacobi window holds predictions only while rounds verify
 it (a plain step predicts nothing past its root), so one-round alternation would compare drafted
@@ -49,8 +52,9 @@ from adt_core.round.state import RoundOutcome, RoundPlan, Slots
 
 WIDTHS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # verify widths the model weighs, cut to adaptive.n_max
 PRIOR = 0.7  # the prior's acceptance of a chain's first level (the j-th: PRIOR^j)
-RUN = 8  # drafted rounds of a probe
-SHORT = 4  # drafted rounds of a probe after one that ran far behind plain steps (WARM cold ones, two measured)
+RUN = 8  # drafted rounds of a probe of another width while drafting wins
+SHORT = 4  # drafted rounds of a probe of drafting while plain steps win, or after a probe that ran far behind
+# plain steps (WARM cold ones, two measured; `real` carries the readings of earlier probes)
 WARM = 2  # drafted rounds of a width, after plain steps or another width, that update no gain
 # (the window still holds what rounds of another depth, or none, predicted)
 PROBE, PROBE_MAX = 8, 256
@@ -75,12 +79,14 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         self._ratio: dict[int, np.ndarray] = {}  # capacity -> (W,) `ratios`
         self._gains: np.ndarray | None = None  # (W,) `gains`, until a gain changes
         self.real: float | None = None  # drafted rounds' measured tokens per slot and charged ms (smoothed)
+        self.reals = 0  # readings in `real`
         self.run = 0  # drafted rounds in a row so far
         self.left, self.trying = 0, 0  # probe rounds left, and the probed width
         self.flip = 1  # the next probe's direction
         self.behind = False  # the last probe ran far behind plain steps: the next one is SHORT
         self.before = 0  # the model's choice when the last probe started
         self.idle, self.probe = 0, PROBE  # plain rounds since the last drafted one; the probe interval
+        self.plains = 0  # plain steps observed (the first one's time holds one-off costs)
         self.fresh_rows()  # drafted rounds judged on the rows they leave
         self._c0 = 0.0
 
@@ -104,8 +110,13 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
             self.gain, self.seen, self._gains = dict(other.gain), dict(other.seen), None
 
     def narrow(self, capacity: int) -> None:
-        """Extra tokens per width are per slot: they stay; a round's times are re-measured."""
-        self.capacity, self.base, self.over, self.real = capacity, None, None, None
+        """Extra tokens per width are per slot: they stay. A round's times scale by the table's
+        plain step of `capacity` slots over one of the old capacity, until measured again (forgotten,
+        the model's prior drafted the narrowed tail's first RUN rounds at a loss where drafting lost)."""
+        f = self.costs.cost(capacity) / max(self.costs.cost(self.capacity), 1e-9)
+        self.base, self.over = (None if x is None else x * f for x in (self.base, self.over))
+        self.real = None if self.real is None else self.real / f  # tokens per slot and ms
+        self.capacity = capacity
         self.fresh_rows()
 
     # ---- the model ------------------------------------------------------------------------
@@ -161,8 +172,10 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         if self.left > 0:
             self.left -= 1
             return self.trying
+        if self.base is None:  # plain steps first: drafted rounds are judged against a measured one from
+            return 0  # their first warm round on (drafting for `base` later ran RUN rounds at a loss where it loses)
         m = self.choice()
-        if m > 0 and (self.drafted >= PLAIN_EVERY or self.base is None and self.drafted >= RUN):
+        if m > 0 and self.drafted >= PLAIN_EVERY:
             return 0  # a plain step measures `base`
         self.idle += 1
         if self.idle < self.probe:
@@ -172,7 +185,7 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         i = self.widths.index(best) + (self.flip if m else 0)
         self.flip = -self.flip
         self.trying = self.widths[i] if 0 <= i < len(self.widths) else best
-        self.left = (SHORT if self.behind else RUN) - 1
+        self.left = (SHORT if self.behind or not m else RUN) - 1  # drafting tried while plain steps win: SHORT
         return self.trying
 
     # ---- planner interface ------------------------------------------------------------------
@@ -205,7 +218,9 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
             extra = ms - base * self.ratios()[self.widths.index(m)]  # m: one of the widths (`_pick`)
             self.over = extra if self.over is None else self.over + EMA * (extra - self.over)
             real = (1 + float(outcome.accepted.sum()) / max(slots, 1)) / max(ms, 1e-6)  # per slot and ms
-            self.real = real if self.real is None else self.real + EMA * (real - self.real)
+            self.reals += 1  # the mean of the first readings, then an EMA (as `gain`): a wave's easy first
+            was = real if self.real is None else self.real  # rounds must not carry a run of losing ones
+            self.real = was + max(EMA, 1.0 / self.reals) * (real - was)
         if self.same > WARM:  # a window this width's own rounds filled
             per_slot = float(outcome.accepted.sum()) / max(slots, 1)
             n = self.seen[m] = self.seen.get(m, 0) + 1
@@ -230,5 +245,8 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
 
     def observe_plain(self, slots: int, round_ms: float) -> None:
         self.run, self.drafted, self.last, self.same = 0, 0, 0, 0
+        self.plains += 1
+        if self.plains == 1 and self.base is None:
+            return  # a decoder's first plain step pays one-off costs
         ms = self._cost_ms(round_ms)
         self.base = ms if self.base is None else self.base + EMA * (ms - self.base)

@@ -147,14 +147,15 @@ def test_one_slow_plain_step_does_not_start_a_run_of_drafts():
 
 
 def test_three_clear_comparisons_settle_the_call_and_a_near_tie_waits_for_more():
-    """Before SURE_AFTER x samples comparisons a call is sure only when every comparison is more
-    than SPREAD from the tie on one side (emoji16 at B 64: 0.67, 0.71, 0.86)."""
+    """Before SURE_AFTER x samples comparisons a call is sure when every comparison lies on one
+    side of the tie and their median is SURE standard errors from it (emoji16 at B 64: 0.67,
+    0.71, 0.86); a near tie waits for more."""
     from adt_core.round.budget import _sure
 
-    assert _sure([0.67, 0.71, 0.86]) and _sure([1.3, 1.4, 1.25])
-    assert not _sure([0.67, 0.71, 0.95])  # one reading near the tie: more comparisons first
+    assert _sure([0.67, 0.71, 0.86]) and _sure([1.3, 1.4, 1.25]) and _sure([0.79, 0.67, 0.71, 0.91])
+    assert not _sure([0.9, 0.95, 0.85])  # a near tie: more comparisons first
     assert not _sure([0.67, 0.71])  # fewer than `samples`
-    assert not _sure([0.8, 1.3, 0.7])  # readings on both sides
+    assert not _sure([0.8, 0.6, 0.7, 1.02])  # readings on both sides, before SURE_AFTER x samples
 
 
 def test_batch_budget_compares_adjacent_rounds_only_as_steps_grow_slower():

@@ -100,3 +100,30 @@ def test_jacobi_drafts_only_while_its_drafted_rounds_as_they_ran_beat_a_plain_st
     p.trying, p.before, p.probe = 4, 0, PROBE  # a probe just ended and confirmed plain steps
     p._probed()
     assert p.probe == 4 * PROBE  # drafted rounds at half a plain step's rate: four-fold
+
+
+def test_jacobi_measures_a_plain_step_first_probes_drafting_briefly_and_keeps_times_when_narrowed():
+    """JacobiPlanner: a decoder's first rounds are plain steps until a plain step's ms is measured
+    (the first one's time, holding one-off costs, is not kept); while plain steps win, a probe of
+    drafting runs SHORT rounds; a narrowed batch scales its measured times by the cost table
+    instead of forgetting them (the prior then drafted the tail's first rounds at a loss)."""
+    from adt_core.calibrate import CostTable
+    from adt_core.round.adaptive import AdaptiveGrid
+    from adt_core.round.jacobi_plan import SHORT, JacobiPlanner
+
+    cfg = AdaptiveConfig()
+    costs = CostTable({1: 10.0, 8: 11.0, 64: 40.0})
+    p = JacobiPlanner(256, cfg, AdaptiveGrid(4, (16, 16), cfg), costs, capacity=4)
+    assert p._pick() == 0 and p.base is None  # the model would draft (its prior): a plain step first
+    p.observe_plain(4, 50.0)  # one-off costs
+    assert p.base is None and p._pick() == 0
+    p.observe_plain(4, 10.0)
+    assert p.base == 10.0
+    p.real, p.reals = 0.01, 5  # drafted rounds ran at a tenth of a plain step's rate
+    assert p.choice() == 0
+    picks = [p._pick() for _ in range(p.probe + SHORT)]
+    assert picks[: p.probe - 1] == [0] * (p.probe - 1) and all(picks[p.probe - 1: -1]) and picks[-1] == 0
+    assert len(picks) - picks.count(0) == SHORT  # the probe: SHORT drafted rounds
+    f = costs.cost(2) / costs.cost(4)
+    p.narrow(2)
+    assert p.base == pytest.approx(10.0 * f) and p.real == pytest.approx(0.01 / f) and p.choice() == 0

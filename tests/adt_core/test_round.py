@@ -40,6 +40,8 @@ def decoder(bundle, method, slots, plain=False, **kw):
         dec.planner.plan = lambda s: None  # the budget's plain round
     elif hasattr(dec.planner, "guard"):
         dec.planner.guard.worth_drafting = lambda a: True  # the budget drafts every round
+    elif hasattr(dec.planner, "base"):  # jacobi's budget: a plain step's ms as if measured (its model drafts)
+        dec.planner.base = dec.planner._base()
     items = [(i, f"prompt {i}", i) for i in range(slots)]
     rows = g.prompter.rows([p for _, p, _ in items], g.cfg_rows == 2)
     with torch.inference_mode():
