@@ -58,10 +58,16 @@ class KVCache:
         self._longest = 0  # max(lengths), kept on the host (no device sync per layer)
         self._nst = 0  # staged columns: each row's last _nst entries sit at columns _longest - _nst .. _longest - 1
         self._fresh = False  # this forward's one entry per row was staged (the next `advance` adds it to the stage)
-        # (R, heads): where each row's head h starts in a layer's buffer viewed as (R * heads * max_len, hd)
+        self._index()
+
+    def _index(self) -> None:
+        """The flat views of k and v, (L, R * heads * max_len, hd) over the same storage, and where
+        each row's head starts in them: `_base_host` (R, heads) for the host-built stage moves,
+        `_base` its device copy for compaction's device-built indices."""
+        n_layer, rows, n_head, max_len, head_dim = self.k.shape
         self._base_host = (np.arange(rows)[:, None] * n_head + np.arange(n_head)) * max_len
-        self._base = torch.from_numpy(self._base_host).to(device)
-        self._flat = tuple(x.view(n_layer, rows * n_head * max_len, head_dim) for x in (self.k, self.v))  # same storage
+        self._base = torch.from_numpy(self._base_host).to(self.k.device)
+        self._flat = tuple(x.view(n_layer, rows * n_head * max_len, head_dim) for x in (self.k, self.v))
 
     @property
     def max_len(self) -> int:
@@ -232,12 +238,9 @@ class KVCache:
         for buf in (self.k, self.v):
             for layer in range(buf.shape[0]):
                 buf[layer, :n] = buf[layer].index_select(0, idx)
-        n_layer, _, n_head, max_len, head_dim = self.k.shape
         self.k, self.v = self.k[:, :n], self.v[:, :n]  # (L, n, heads, max_len, hd) views
         self.valid = self.valid.index_select(0, idx)
-        self._base_host = (np.arange(n)[:, None] * n_head + np.arange(n_head)) * max_len
-        self._base = torch.from_numpy(self._base_host).to(dev)
-        self._flat = tuple(x.view(n_layer, n * n_head * max_len, head_dim) for x in (self.k, self.v))
+        self._index()
         self.set_lengths(self.host[np.asarray(rows)])
 
     # ---- compaction ---------------------------------------------------------------------

@@ -218,14 +218,12 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
             extra = ms - base * self.ratios()[self.widths.index(m)]  # m: one of the widths (`_pick`)
             self.over = extra if self.over is None else self.over + EMA * (extra - self.over)
             real = (1 + float(outcome.accepted.sum()) / max(slots, 1)) / max(ms, 1e-6)  # per slot and ms
-            self.reals += 1  # the mean of the first readings, then an EMA (as `gain`): a wave's easy first
-            was = real if self.real is None else self.real  # rounds must not carry a run of losing ones
-            self.real = was + max(EMA, 1.0 / self.reals) * (real - was)
+            self.reals += 1  # (a wave's easy first rounds must not carry a run of losing ones)
+            self.real = _running(self.real, real, self.reals)
         if self.same > WARM:  # a window this width's own rounds filled
             per_slot = float(outcome.accepted.sum()) / max(slots, 1)
             n = self.seen[m] = self.seen.get(m, 0) + 1
-            was = self.gain.get(m, per_slot)
-            self.gain[m] = was + max(EMA, 1.0 / n) * (per_slot - was)  # the mean of the first readings, then an EMA
+            self.gain[m] = _running(self.gain.get(m), per_slot, n)
             self._gains = None
         self._probed()
 
@@ -250,3 +248,9 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
             return  # a decoder's first plain step pays one-off costs
         ms = self._cost_ms(round_ms)
         self.base = ms if self.base is None else self.base + EMA * (ms - self.base)
+
+
+def _running(old: float | None, x: float, n: int) -> float:
+    """The n-th reading x folded into an estimate: the mean of the first 1 / EMA readings, then an EMA."""
+    was = x if old is None else old
+    return was + max(EMA, 1.0 / n) * (x - was)

@@ -145,8 +145,7 @@ def test_ragged_cache_rows_hold_exactly_the_committed_prefix(method, cfg_scale):
                 for j, row in enumerate(b + dec.capacity * i for i in range(g.cfg_rows)):
                     assert int(dec.cache.lengths[row]) == int(dec.cache.host[row]) == t + count - 1 == n
                     assert torch.equal(dec.cache.valid[row, :t], ref.valid[j, :t])
-                    assert_same_entries(dec.cache, row, ref, j, n, t, atol=1e-5, rtol=1e-4)
-                    torch.testing.assert_close(dec.cache.v[:, row, :, :n], ref.v[:, j, :, :n], atol=1e-5, rtol=1e-4)
+                    assert_same_entries(dec.cache, row, ref, j, n, t, atol=1e-5, rtol=1e-4)  # keys and values
             for b in dec.free():  # retired rows are empty again
                 assert all(int(dec.cache.lengths[b + dec.capacity * i]) == 0 for i in range(g.cfg_rows))
     assert done == 5 and rounds > 4
