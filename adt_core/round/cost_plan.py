@@ -44,10 +44,10 @@ def _smooth(old: float | None, x: float) -> float:
 
 class RowsJudged:
     """A cost budget's drafted rounds judged on the rows drafting leaves (adt_core/round/budget.py
-    `Ragged`): before each drafted round (once the plan is made; plain steps leave the rows as
-    they are) the decoder passes `ragged` the cached keys its forward reads beyond a lockstep
-    batch's, and those of rows spread evenly over an image (`SlotTable.ragged_keys`, read only
-    for planners with `reads_rows`)."""
+    `Ragged`) and its plain steps as at lockstep: before each round (once the plan is made) the
+    decoder passes `ragged` the cached keys its forward reads beyond a lockstep batch's, and those
+    of rows spread evenly over an image (`SlotTable.ragged_keys`, read only for planners with
+    `reads_rows`)."""
 
     reads_rows = True
     rows: Ragged
@@ -248,7 +248,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
             return  # the first drafted round's time holds one-off costs
         self.drafted += 1
         draft_ms *= cost / max(round_ms, 1e-6)  # the draft share of the round, on the same clock
-        charged = self.rows.drafted(cost)
+        charged = self.rows.drafted(cost, learn=not self.guard.probing(slots))  # a run's rounds teach the spread
         self.guard.observe_round(slots, True, charged, slots + int(accepted))
         per_level = draft_ms / plan.levels
         self.level_ms = _smooth(self.level_ms, per_level)
@@ -301,7 +301,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
         return self.guard.holds(slots)
 
     def observe_plain(self, slots: int, round_ms: float) -> None:
-        cost = self._cost_ms(round_ms)
+        cost = self.rows.plain(self._cost_ms(round_ms))  # as at lockstep
         if self._warm(False):
             self.guard.observe_round(slots, False, cost, slots)
             self.plain_over = _smooth(self.plain_over, cost - self._fwd(0))

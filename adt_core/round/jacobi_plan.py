@@ -214,7 +214,8 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         self.last = m
         if self.run > 1:  # a run's first round pays the switch (and, at start, one-off costs)
             base = self._base()
-            ms = self.rows.drafted(self._cost_ms(round_ms))  # on the rows drafting leaves
+            amid = bool(self.trying) and self.before == 0  # a probe amid plain steps: a run's rounds teach the spread
+            ms = self.rows.drafted(self._cost_ms(round_ms), learn=not amid)  # on the rows drafting leaves
             extra = ms - base * self.ratios()[self.widths.index(m)]  # m: one of the widths (`_pick`)
             self.over = extra if self.over is None else self.over + EMA * (extra - self.over)
             real = (1 + float(outcome.accepted.sum()) / max(slots, 1)) / max(ms, 1e-6)  # per slot and ms
@@ -246,7 +247,7 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         self.plains += 1
         if self.plains == 1 and self.base is None:
             return  # a decoder's first plain step pays one-off costs
-        ms = self._cost_ms(round_ms)
+        ms = self.rows.plain(self._cost_ms(round_ms))  # as at lockstep
         self.base = ms if self.base is None else self.base + EMA * (ms - self.base)
 
 

@@ -236,9 +236,10 @@ def test_a_drafted_round_is_judged_on_the_rows_drafting_leaves():
     """Synthetic clock, 4 slots: drafted rounds commit 7 tokens in 32.9 ms (0.213 per ms),
     plain steps take 20 ms (0.2 per ms). With no spread expected (a table whose rows cost
     nothing per key), drafting wins. A batch still in lockstep whose drafting would leave its
-    rows 300 keys apart (0.01 ms a key: 3 ms more per round, 0.19 per ms) runs plain steps; one
-    whose rows are already that far apart compares the rounds as measured (plain steps do not
-    bring them back) and drafts. Outputs never depend on the call."""
+    rows 300 keys apart (0.01 ms a key: 3 ms more per round, 0.19 per ms) runs plain steps; so
+    does one whose rows are already that far apart: its plain steps count as at lockstep (17 ms,
+    0.235 per ms: what they cost once a wave refills together), and its drafted rounds as
+    measured (the rows they leave are the rows they met). Outputs never depend on the call."""
     from adt_core.round.state import RoundOutcome, RoundPlan
 
     def verdict(keys: float, full: float) -> bool:
@@ -258,7 +259,8 @@ def test_a_drafted_round_is_judged_on_the_rows_drafting_leaves():
 
     assert verdict(0.0, 0.0) is True
     assert verdict(0.0, 300.0) is False  # lockstep rows that drafting would spread
-    assert verdict(300.0, 300.0) is True  # rows already spread: as measured
+    assert verdict(300.0, 300.0) is False  # rows already spread: plain steps as at lockstep
+    assert verdict(300.0, 0.0) is False  # (the spread drafting leaves is learned from its rounds)
     assert CostTable.from_json(CostTable({1: 2.0}, key_ms=0.25).to_json()).key_ms == 0.25
 
 
@@ -268,6 +270,12 @@ def test_the_spread_drafting_leaves_is_learned_from_drafted_rounds():
     r = Ragged(key_ms=0.5, n_tokens=20)  # decays by 2 / 20 per drafted round
     r.now(0.0, 10.0)  # nothing drafted yet: the spread continuous refill reaches is assumed
     assert r.drafted(4.0) == 4.0 + 0.5 * 10.0 and r.spread == pytest.approx(9.0)
+    r.now(1.0, 10.0)
+    assert r.drafted(4.0, learn=False) == 4.0 + 0.5 * 8.0 and r.spread == pytest.approx(9.0)  # a probe amid plain steps
+    r.now(0.0, 10.0)
+    assert r.plain(8.0) == 8.0  # a lockstep batch's plain step: as measured
+    r.now(6.0, 10.0)
+    assert r.plain(8.0) == 8.0 - 0.5 * 6.0 and r.plain(4.0) == 2.0  # less the keys past lockstep (at most half)
     for _ in range(200):  # drafted rounds that leave the rows in lockstep: the charge fades
         r.now(0.0, 10.0)
         r.drafted(4.0)
