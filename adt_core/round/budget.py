@@ -53,22 +53,27 @@ SPREAD = 0.12  # the least spread assumed of one comparison's log ratio (a share
 SURE_AFTER = 2  # comparisons before a verdict may be sure, in multiples of `samples`
 SURE = 2.0  # a verdict is sure when its median log ratio is this many standard errors from a tie
 class Ragged:
-    """A drafted round judged on the rows drafting leaves, not on the rows it happened to meet.
+    """Rounds judged against a lockstep batch: a drafted round on the rows drafting leaves, a plain
+    step on the rows a wave refilled together would have.
 
     Attention reads every cache row up to the longest row. `ar`'s rows grow in lockstep; drafted
     rounds accept different numbers of tokens per slot, the slots then free and refill at
     different times, and the rows spread over the image: every later forward, plain or drafted,
-    reads up to rows x n / 2 keys more (+20% for a plain step of 16 emoji16 images on a CPU), and
-    plain steps do not bring them back together. Comparing adjacent rounds cannot see that: a
-    drafted round measured while the batch is still in lockstep is spared the spread it starts.
-    So, with `key_ms` the table's cost per key and row (`CostTable.key_ms`), before each drafted
-    round `now(keys, full)` (the keys its forward reads past a lockstep batch's; `full`: those of rows
-    spread evenly over an image), and a drafted round counts `drafted(ms)` = ms + key_ms x
-    (spread - keys), `spread` the keys measured in drafted rounds, decayed over about an image's
-    drafted rounds (2 / n per round) from `full` (the spread continuous refill reaches), so a
-    batch drafts only where drafting pays on the rows it leaves. Once the rows have spread the
-    charge is gone and rounds compare as measured (plain steps leave the rows as they are). A
-    device or batch whose rows cost nothing per key (key_ms 0; one slot: full 0) is judged as measured."""
+    reads up to rows x n / 2 keys more (+20% for a plain step of 16 emoji16 images on a CPU).
+    Comparing adjacent rounds cannot see that: a drafted round measured while the batch is still
+    in lockstep is spared the spread it starts, and once the rows have spread both kinds pay it.
+    So, with `key_ms` the table's cost per key and row (`CostTable.key_ms`), before each round
+    `now(keys, full)` (the keys its forward reads past a lockstep batch's; `full`: those of rows
+    spread evenly over an image):
+    - a drafted round counts `drafted(ms)` = ms + key_ms x (spread - keys), `spread` the keys met
+      by the drafted rounds of runs, decayed over about an image's drafted rounds (2 / n per
+      round) from `full` (the spread continuous refill reaches); rounds that explore or probe amid
+      plain steps meet rows the plain steps kept together and teach nothing of it;
+    - a plain step counts `plain(ms)` = ms - key_ms x keys: what it costs once a wave refills
+      together (`Planner.holds`), which only plain steps allow.
+    So a batch drafts only where drafting pays on the rows it leaves against plain steps on the
+    rows they keep. A device or batch whose rows cost nothing per key (key_ms 0; one slot: full
+    0) is judged as measured."""
 
     def __init__(self, key_ms: float, n_tokens: int) -> None:
         self.key_ms, self.decay = key_ms, min(1.0, 2.0 / max(n_tokens, 1))
