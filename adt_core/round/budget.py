@@ -38,12 +38,15 @@ from adt_core.calibrate import CostTable
 from adt_core.config import AdaptiveConfig
 
 PROBE_EVERY, PROBE_MAX = 32, 512
-PROBE_RUN = 3  # rounds of a probe: only its last is compared (the first of a kind after the other costs more:
-# at B 1 on emoji16 a plain step right after drafted rounds took 4.19 ms against 3.80 ms for the fifth)
-PROBE_NEAR = 3 * PROBE_RUN  # while the verdict is not yet sure (a near tie), the loser is probed after this many
-# rounds: a quarter of the rounds (a near tie's gap of a few % costs <1%; half of them, with each switch paying
+PROBE_RUN = 3  # rounds of a probe: its first is not compared (the first of a kind after the other costs more: at
+# B 1 on emoji16 a plain step right after drafted rounds took 4.19 ms against 3.80 ms for the fifth); the median
+# of the others is one comparison (a reading on a shared CPU swings +-20-30%; two halve a comparison's variance)
+PROBE_NEAR = 4 * PROBE_RUN  # while the verdict is not yet sure (a near tie), the loser is probed after this many
+# rounds: a fifth of the rounds (a near tie's gap of a few % costs <1%; half of them, with each switch paying
 # ~8% of a round at B 1, lost 6-9%)
-CLEAR_LOSS = 0.6  # a probe this far behind the winner (rate ratio) backs off four-fold
+CLEAR_LOSS = 0.85  # a probe this far behind the winner (rate ratio) backs off four-fold (a synthetic clock with
+# +-30% readings and switches costing 10% of a round: 0.6 lost 2.7% and 3.1% of 1000 rounds where drafting ran
+# at 0.7x and 0.85x of plain steps, 0.85 2.3% and 2.8%)
 EMA = 0.2  # the planner's smoothing of its own estimates (acceptance calibration, level cost)
 NEAR = 4  # a round is compared with the other kind's rounds among the NEAR rounds before it
 SAMPLES = 3  # comparisons measured before a bucket has a verdict
@@ -117,8 +120,9 @@ class BatchBudget:
     plain first, until it has `samples` comparisons; afterwards the losing kind runs only as a
     probe. Near break-even a wrong call costs little and a sure one needs many comparisons: while
     the median log ratio is within SURE standard errors of a tie (`_sure`), the loser is probed
-    every PROBE_NEAR rounds, a probe being PROBE_RUN rounds of which the last is compared (a sequential test: the comparisons accumulate until the call is
-    sure); once sure, the probe interval grows to PROBE_MAX."""
+    every PROBE_NEAR rounds (a sequential test: the comparisons accumulate until the call is
+    sure); once sure, the probe interval grows to PROBE_MAX. A probe is PROBE_RUN rounds: the
+    first pays the switch, the median rate of the others is its one comparison."""
 
     def __init__(self, costs: CostTable, cfg: AdaptiveConfig, samples: int = SAMPLES) -> None:
         self.costs, self.cfg, self.samples = costs, cfg, samples
@@ -130,6 +134,7 @@ class BatchBudget:
         self.since_probe = 0
         self.probe_every = PROBE_EVERY  # doubles while probes confirm the winner, up to PROBE_MAX
         self.probe_run = 0  # rounds of the probe under way so far
+        self.probe_rates: list[float] = []  # the rates of its rounds after the first
 
     def token_ms(self, a: int) -> float:
         """Modelled milliseconds per committed token of a plain AR step with `a` slots."""
@@ -197,18 +202,21 @@ class BatchBudget:
         before = self._choice(k)
         probe = before is not None and drafted != before
         span = NEAR
-        if probe:  # a probe is PROBE_RUN rounds; its first ones pay the switch and are not compared
+        mine = rate
+        if probe:  # a probe is PROBE_RUN rounds; its first pays the switch, the others are compared as one
             self.probe_run += 1
+            self.probe_rates = self.probe_rates + [rate] if self.probe_run > 1 else []
             if self.probe_run < PROBE_RUN:
                 self._remember(k, drafted, rate)
                 return  # `since_probe` stays: the probe goes on
-            self.probe_run, span = 0, NEAR + PROBE_RUN - 1
+            mine = float(np.median(self.probe_rates))
+            self.probe_run, self.probe_rates, span = 0, [], NEAR + PROBE_RUN - 1
         if drafted != bool(before):  # the rarer kind: compare it with the other kind's rounds just before
             near = [x for r, x in self.recent.get((k, not drafted), ()) if self.round - r <= span]
             if near:  # their middle (the mean of the middle two of an even count: no bias either way)
                 ref = float(np.median(near))
                 ratios = self.ratios.setdefault(k, [])
-                ratios.append(rate / ref if drafted else ref / rate)
+                ratios.append(mine / ref if drafted else ref / mine)
                 del ratios[:-WINDOW]
                 if len(ratios) >= self.samples:
                     self.verdict[k] = _median(ratios) > EDGE

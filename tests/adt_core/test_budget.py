@@ -110,14 +110,14 @@ def test_batch_budget_drafts_only_while_it_measures_faster_and_probes():
     assert b.worth_drafting(4)  # then a drafted round
     b.observe_round(4, True, ms=50.0, tokens=6)  # 0.12 tokens/ms: AR wins
     decisions = []
-    for _ in range(3 * PROBE_EVERY + 3 * PROBE_RUN):
+    for _ in range(5 * PROBE_EVERY + 3 * PROBE_RUN):
         d = b.worth_drafting(4)
         decisions.append(d)
         b.observe_round(4, d, ms=50.0 if d else 20.0, tokens=6 if d else 4)
     probes = [i for i, d in enumerate(decisions) if d]
-    first, second = PROBE_EVERY, PROBE_EVERY + PROBE_RUN + 2 * PROBE_EVERY
+    first, second = PROBE_EVERY, PROBE_EVERY + PROBE_RUN + 4 * PROBE_EVERY
     run = lambda start: list(range(start, start + PROBE_RUN))  # noqa: E731
-    assert probes == run(first) + run(second)  # probes only, each a run, the interval doubling
+    assert probes == run(first) + run(second)  # probes only, each a run, the interval growing four-fold (a clear loss)
     assert not b.worth_drafting(5)  # 4-7 slots share one measurement
     assert not b.worth_drafting(9)  # a new bucket takes plain steps from the nearest measured one
     for _ in range(3):  # drafting got much faster (an easy region): the median of the comparisons moves,
@@ -205,7 +205,7 @@ def test_a_new_slot_count_takes_the_nearest_choice_and_is_measured_only_by_probe
         seen.append(d)
         b.observe_round(64, d, ms=200.0 if d else 80.0, tokens=96 if d else 64)
     assert seen == [False] * PROBE_EVERY + [True] * PROBE_RUN  # no exploration, one probe on the schedule
-    assert not b.probing(64) and b.probe_every == 2 * PROBE_EVERY  # the probe confirmed plain: the interval grew
+    assert not b.probing(64) and b.probe_every == 4 * PROBE_EVERY  # a clear loss confirmed: the interval grew
     assert b.plain_ahead(64, RING) and not b.plain_ahead(64, b.probe_every)  # pairs are kept before a probe
 
 
