@@ -28,7 +28,7 @@ from adt_core.calibrate import CostTable
 from adt_core.config import EAGLE2_TREE, AdaptiveConfig, DecodeConfig
 from adt_core.round.adaptive import AdaptiveGrid
 from adt_core.round.budget import EMA, BatchBudget, Ragged
-from adt_core.round.plan import WIDTHS, Planner, ShapePlanner, bucket, fed
+from adt_core.round.plan import WIDTHS, Planner, ShapePlanner, bucket, fed, fit, roomy
 from adt_core.round.state import Extent, RoundOutcome, RoundPlan, Slots
 
 PRIOR = 0.7  # before any drafted round: the assumed acceptance of a draft level, per level
@@ -51,6 +51,11 @@ class RowsJudged:
 
     reads_rows = True
     rows: Ragged
+
+    @classmethod
+    def extent(cls, config: DecodeConfig) -> Extent:
+        """The widest tree, in rows with `plan.ROOM` nodes past an image's end (plans fit `Slots.room`)."""
+        return roomy(super().extent(config))  # type: ignore[misc]
 
     def ragged(self, keys: float, full: float) -> None:
         self.rows.now(keys, full)
@@ -146,7 +151,10 @@ class CostPlanner(RowsJudged, ShapePlanner):
             return None
         width = int(k[d > 0].max())
         levels, m, rate = self._size(a, width)
-        d = np.minimum(d, levels)
+        m = fit(m, slots.room)
+        if m == 0:
+            return None
+        d = np.minimum(d, min(levels, m))
         # no level keeps more than m nodes, and a node outside its level's m best has m better
         # nodes above each descendant: expanding more than m per level drafts what is never kept
         width = min(width, max(m, self.cfg.k_min))
@@ -319,7 +327,7 @@ class SizedEaglePlanner(CostPlanner):
     @classmethod
     def extent(cls, config: DecodeConfig) -> Extent:
         a = config.adaptive
-        return Extent(bucket(a.n_max), fed(config, a.d_max, cls.TOP_K))
+        return roomy(Extent(bucket(a.n_max), fed(config, a.d_max, cls.TOP_K)))
 
     def shapes(self, slots: Slots) -> tuple[np.ndarray, np.ndarray]:
         d = np.where(slots.active, self.cfg.d_max, 0)
@@ -332,7 +340,10 @@ class SizedEaglePlanner(CostPlanner):
             return None
         d, _ = self.shapes(slots)
         levels, m, _ = self._size(a, self.TOP_K)
-        return self._fixed(np.minimum(d, levels), min(self.TOP_K, max(m, self.cfg.k_min)), m)
+        m = fit(m, slots.room)
+        if m == 0:
+            return None
+        return self._fixed(np.minimum(d, min(levels, m)), min(self.TOP_K, max(m, self.cfg.k_min)), m)
 
     def plain_ahead(self, slots: int, rounds: int) -> bool:
         return False

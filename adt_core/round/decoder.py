@@ -139,6 +139,7 @@ class BatchDecoder(SlotTable):
         if not self.slots.active.any():
             return []
         self.slots.held = held
+        self.slots.room = self.cache.max_len - self.cache.length - 2  # the root (and a forced companion) first
         t0 = self.s.timer.mark()
         plan = self.planner.plan(self.slots)
         if plan is not None and self.forced is not None:

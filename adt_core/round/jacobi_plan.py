@@ -194,6 +194,8 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         if not slots.active.any() or slots.held:
             return None  # (held: a wave's free slots wait for the rest of it; a probe waits for the refill)
         m = self._pick()
+        if m > slots.room:  # near an image's end: the widest of the widths that fits
+            m = max((w for w in self.widths if w <= slots.room), default=0)
         if m == 0:
             return None
         d, k = self.shapes(slots)

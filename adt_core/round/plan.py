@@ -24,6 +24,8 @@ round feeds the drafter), read by the decoder and by adt_core/memory.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from adt_core.calibrate import CostTable
@@ -32,6 +34,10 @@ from adt_core.round.adaptive import AdaptiveGrid, shape_budget
 from adt_core.round.state import Extent, RoundOutcome, RoundPlan, Slots
 
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # drafted nodes per slot a verify may carry
+ROOM = 16  # tree nodes the cost planners' cache rows hold past an image's end (`Extent.room`): attention
+# strides over every row's whole allocation, and a 64-node room made a plain step of 64 emoji16@32 images
+# ~3% dearer than `ar`'s (rows of 364 entries against 300); early in an image a row has room for any tree,
+# and near its end the tree is cut to what is left (`fit`), where depth is cut to the tokens left anyway
 RESUME = 4  # pairs a plain run keeps for the drafter ahead of a possible draft: its catch-up when drafting
 # resumes is one forward over at most these (a 16-pair catch-up at 64 in flight cost ~1.5 plain steps here)
 
@@ -39,6 +45,16 @@ RESUME = 4  # pairs a plain run keeps for the drafter ahead of a possible draft:
 def bucket(m: int) -> int:
     """The smallest width bucket holding m nodes (m itself past the largest)."""
     return next((w for w in WIDTHS if w >= m), m)
+
+
+def fit(m: int, room: int) -> int:
+    """The widest bucket of at most m nodes that fits `room` (`Slots.room`; 0: none does)."""
+    return m if m <= room else max((w for w in WIDTHS if w <= room), default=0)
+
+
+def roomy(e: Extent) -> Extent:
+    """A cost planner's extent: its widest tree, held in rows with ROOM nodes past an image's end."""
+    return replace(e, room=min(e.nodes, ROOM))
 
 
 def fed(config: DecodeConfig, levels: int, width: int) -> int:

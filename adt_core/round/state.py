@@ -28,6 +28,8 @@ class Slots:
     active: np.ndarray  # (C,) bool: slot holds an image
     gens: list[torch.Generator | None]  # per slot: the rejection sampler's randomness
     held: bool = False  # free slots wait for the rest of their wave (`SlotTable.admits_now`): a plain step
+    room: int = 1 << 30  # drafted nodes this round's verify may carry per row: the target cache's room past
+    # its longest row (the decoder's, each round; less than the widest tree only near an image's end)
 
     @classmethod
     def empty(cls, capacity: int, n_tokens: int, device: torch.device) -> "Slots":
@@ -82,10 +84,13 @@ class Extent:
 
     nodes: int  # drafted nodes of the widest verified tree per slot (0: the method never drafts)
     fed: int  # drafter-cache entries one round may feed (0: no drafter)
+    room: int | None = None  # tree nodes a target-cache row holds past an image's last entry (None:
+    # `nodes`); a planner with less room plans within what the rows leave (`Slots.room`)
 
     def target_len(self, committed: int) -> int:
-        """A target-cache row: `committed` entries (prompt + generated), the root and the tree, one spare."""
-        return committed + self.nodes + 2
+        """A target-cache row: `committed` entries (prompt + generated), the root and the tree's
+        room, one spare."""
+        return committed + (self.nodes if self.room is None else self.room) + 2
 
     def drafter_len(self, committed: int) -> int:
         """A drafter-cache row: `committed` entries, what one round feeds, one spare."""

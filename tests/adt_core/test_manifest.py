@@ -21,6 +21,7 @@ from adt_core.bundles.cache import LocalCache
 from adt_core.bundles.manifest import load_manifest_bundle, read_manifest
 from adt_core.bundles.sources import ChecksumError, ManifestError, sha256_file
 from adt_core.config import SamplingConfig
+from adt_core.round.plan import ROOM
 from adt_core.families.llamagen import weights as llamagen_checkpoints
 from adt_core.families.llamagen.drafter import DrafterConfig
 from adt_core.families.llamagen.drafter import Drafter
@@ -248,8 +249,10 @@ def test_memory_plan_of_llamagen_xl_512():
     assert ar.target_kv_per_image == 2 * 36 * 2 * 1280 * (120 + 1024 + 2) * 2  # CFG rows x layers x k,v x width
     assert ar.workspace_bytes == 4 * 128 * 512 * 512 * 4  # estimate: one image decoded to pixels
     spec = bundle_plan(bundle, DecodeConfig(method="eagle2", dtype="bfloat16"), 141 * GB)
-    widest = DecodeConfig().adaptive.n_max  # eagle2's tree sized for the device: at most n_max nodes
-    assert spec.target_kv_per_image == 2 * 36 * 2 * 1280 * (120 + 1024 + widest + 2) * 2
+    widest = DecodeConfig().adaptive.n_max  # eagle2's tree sized for the device: at most n_max nodes,
+    room = min(widest, ROOM)  # in rows with ROOM nodes past the image's end (trees there fit what is left)
+    assert spec.target_kv_per_image == 2 * 36 * 2 * 1280 * (120 + 1024 + room + 2) * 2
+    assert spec.tree_per_image == 2 * 2 * (widest + 1) * 16384 * 4  # a verify's logits (16384 codes): the widest tree
     assert spec.drafter_kv_per_image > 0 and spec.per_image > ar.per_image
     assert 64 == spec.images < spec.fits  # decode.batch_size caps it
     nocfg = bundle_plan(bundle, DecodeConfig(method="ar", dtype="bfloat16", cfg_scale=1.0), 141 * GB)
