@@ -47,7 +47,7 @@ from adt_core.round.budget import EDGE, EMA
 from adt_core.calibrate import CostTable
 from adt_core.config import AdaptiveConfig
 from adt_core.round.cost_plan import RowsJudged
-from adt_core.round.plan import Planner, ShapePlanner
+from adt_core.round.plan import Planner, ShapePlanner, fit
 from adt_core.round.state import RoundOutcome, RoundPlan, Slots
 
 WIDTHS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # verify widths the model weighs, cut to adaptive.n_max
@@ -193,9 +193,7 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         self._c0 = time.process_time() * 1000.0
         if not slots.active.any() or slots.held:
             return None  # (held: a wave's free slots wait for the rest of it; a probe waits for the refill)
-        m = self._pick()
-        if m > slots.room:  # near an image's end: the widest of the widths that fits
-            m = max((w for w in self.widths if w <= slots.room), default=0)
+        m = fit(self._pick(), slots.room, self.widths)  # near an image's end: the widest of its widths that fits
         if m == 0:
             return None
         d, k = self.shapes(slots)

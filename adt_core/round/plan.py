@@ -47,9 +47,9 @@ def bucket(m: int) -> int:
     return next((w for w in WIDTHS if w >= m), m)
 
 
-def fit(m: int, room: int) -> int:
-    """The widest bucket of at most m nodes that fits `room` (`Slots.room`; 0: none does)."""
-    return m if m <= room else max((w for w in WIDTHS if w <= room), default=0)
+def fit(m: int, room: int, widths: tuple[int, ...] = WIDTHS) -> int:
+    """The widest of `widths` of at most m nodes that fits `room` (`Slots.room`; 0: none does)."""
+    return m if m <= room else max((w for w in widths if w <= room), default=0)
 
 
 def roomy(e: Extent) -> Extent:
