@@ -36,7 +36,7 @@ from adt_core.round.state import Extent, RoundOutcome, RoundPlan, Slots
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # drafted nodes per slot a verify may carry
 ROOM = 16  # tree nodes the cost planners' cache rows hold past an image's end (`Extent.room`): attention
 # strides over every row's whole allocation, and a 64-node room made a plain step of 64 emoji16@32 images
-# ~3% dearer than `ar`'s (rows of 364 entries against 300); early in an image a row has room for any tree,
+# ~3% dearer than `ar`'s (rows of 354 entries against 290); early in an image a row has room for any tree,
 # and near its end the tree is cut to what is left (`fit`), where depth is cut to the tokens left anyway
 RESUME = 4  # pairs a plain run keeps for the drafter ahead of a possible draft: its catch-up when drafting
 # resumes is one forward over at most these (a 16-pair catch-up at 64 in flight cost ~1.5 plain steps here)
