@@ -150,11 +150,11 @@ class CostPlanner(RowsJudged, ShapePlanner):
         if d.max(initial=0) <= 0:
             return None
         width = int(k[d > 0].max())
-        levels, m, rate = self._size(a, width)
-        m = fit(m, slots.room)
-        if m == 0:
+        sized = self._fitted(a, width, slots.room)
+        if sized is None:
             return None
-        d = np.minimum(d, min(levels, m))
+        levels, m, rate = sized
+        d = np.minimum(d, levels)
         # no level keeps more than m nodes, and a node outside its level's m best has m better
         # nodes above each descendant: expanding more than m per level drafts what is never kept
         width = min(width, max(m, self.cfg.k_min))
@@ -222,6 +222,13 @@ class CostPlanner(RowsJudged, ShapePlanner):
         if key not in self._sized:
             self._sized[key] = self.size(a, width)
         return self._sized[key]
+
+    def _fitted(self, a: int, width: int, room: int) -> tuple[int, int, float] | None:
+        """`_size`'s (D, M, rate) with M cut to what the cache rows have left (`plan.fit`, `Slots.room`)
+        and D to at most M; None when no tree fits."""
+        levels, m, rate = self._size(a, width)
+        m = fit(m, room)
+        return (min(levels, m), m, rate) if m else None
 
     def _rates(self, a: int, width: int, kept: bool = True):
         """(D, M, modelled tokens per ms) of every learned depth and node bucket, `a` slots
@@ -339,11 +346,11 @@ class SizedEaglePlanner(CostPlanner):
         if a == 0:
             return None
         d, _ = self.shapes(slots)
-        levels, m, _ = self._size(a, self.TOP_K)
-        m = fit(m, slots.room)
-        if m == 0:
+        sized = self._fitted(a, self.TOP_K, slots.room)
+        if sized is None:
             return None
-        return self._fixed(np.minimum(d, min(levels, m)), min(self.TOP_K, max(m, self.cfg.k_min)), m)
+        levels, m, _ = sized
+        return self._fixed(np.minimum(d, levels), min(self.TOP_K, max(m, self.cfg.k_min)), m)
 
     def plain_ahead(self, slots: int, rounds: int) -> bool:
         return False
