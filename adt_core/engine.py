@@ -98,7 +98,7 @@ class Generator:
         rows, used = None, 0
         while queue or ready or dec.active():
             free = len(dec.free())
-            if free and (ready or queue) and dec.admits_now():
+            if free and (ready or queue) and dec.admits_now(len(ready) + len(queue)):
                 failed = []
                 if not ready:  # the next `cap` prompts at once: slots free up a few at a time, and the
                     # encoder's cost per prompt falls with its batch (rows are batch-invariant)

@@ -230,14 +230,27 @@ class CostPlanner(RowsJudged, ShapePlanner):
         m = fit(m, room)
         return (min(levels, m), m, rate) if m else None
 
+    def expected(self):
+        """(D, (n_max + 1,)) for every learned depth D: calibrated tokens per slot a tree of D
+        levels and m nodes commits past the root. Depth j's tokens are its curve's gain times its
+        calibration, at most depth j - 1's (a slot reaches depth j only through j - 1; the root's:
+        1). The cap matters where the drafter is underconfident: at T 0 a depth's calibration of
+        2-3 made each extra sibling look worth 2-3x its confidence, and the stand-in's B 4 model
+        claimed 3.9 tokens per slot, the root's among them, from 2 levels (a 2.17x ceiling; 3 at most)."""
+        cal = self.calibration()
+        below = expected_at = 0.0  # curve of depth d - 1; (n_max + 1,) calibrated tokens of depth <= d
+        level = 1.0  # (n_max + 1,) depth d - 1's tokens per slot (the root's: 1)
+        for d, curve in sorted(self.curves.items()):
+            gain = cal[d] * (curve - below)
+            level = np.minimum(gain, level)
+            expected_at, below = expected_at + level, curve
+            yield d, expected_at
+
     def _rates(self, a: int, width: int, kept: bool = True):
         """(D, M, modelled tokens per ms) of every learned depth and node bucket, `a` slots
         (kept=False: the table's alone, bookkeeping not counted)."""
-        cal = self.calibration()
         over = (self.over or 0.0) if kept else 0.0  # x _grows(m): the bookkeeping of m nodes
-        below = expected_at = 0.0  # curve of depth d - 1; (n_max + 1,) calibrated tokens of depth <= d
-        for d, curve in sorted(self.curves.items()):
-            expected_at, below = expected_at + cal[d] * (curve - below), curve
+        for d, expected_at in self.expected():
             draft = d * self._level_cost(a, width)
             for m in self._widths(d, width):
                 expected = a * expected_at[min(m, len(expected_at) - 1)]

@@ -41,21 +41,41 @@ class SlotTable:
     def active(self) -> list[int]:
         return np.flatnonzero(self.slots.active).tolist()
 
-    def admits_now(self) -> bool:
-        """Whether free slots take new images now (`Generator.rounds` asks before refilling). A
-        probe leaves slots a token or two apart; refilled at once, the wave stays split (plain
-        steps on the cache's ragged path, prefills in small groups). While plain steps are the
-        planner's choice (`holds`: a due probe waits for the refill, `Slots.held`) the free slots
-        wait for the rest of the wave, at most HOLD of an image's rounds of idle batch (free
-        fraction x rounds left), and the wave refills together, as `ar`'s does."""
+    def admits_now(self, waiting: int = 0) -> bool:
+        """Whether free slots take new images now (`Generator.rounds` asks before refilling;
+        `waiting`: images still to admit). A probe leaves slots a token or two apart; refilled at
+        once, the wave stays split (plain steps on the cache's ragged path, prefills in small
+        groups). While plain steps are the planner's choice (`holds`: a due probe waits for the
+        refill, `Slots.held`) the free slots wait for the rest of the wave, and it refills
+        together, as `ar`'s does, when the wait is short (at most HOLD of an image's rounds of
+        idle batch) or costs less than the split it mends (`_merge_pays`)."""
         s = self.slots
         a = int(s.active.sum())
         if a == 0 or a == self.capacity:
             return True
-        left = int(np.max(self.n - s.host_count[s.active]))
         if not self.planner.holds(a):
             return True
-        return (1 - a / self.capacity) * left > HOLD * self.n
+        left = int(np.max(self.n - s.host_count[s.active]))
+        if (1 - a / self.capacity) * left <= HOLD * self.n:
+            return False
+        return not self._merge_pays(self.capacity - a, left, waiting)
+
+    def _merge_pays(self, free: int, left: int, waiting: int) -> bool:
+        """Whether waiting `left` rounds with `free` slots idle costs less than the split wave
+        would over the `waiting` images behind it. Split by g = `left` tokens, a wave of n plain
+        steps reads, past a lockstep batch's, cache rows x (longest - mean) keys per step: (n - g)
+        steps with the free slots g behind, g steps with the refilled ones n - g behind; g (n - g)
+        keys per cache row and wave in all, for as many waves as `waiting` fills (waiting / C).
+        Waiting idles free / C of the batch for g steps. g cancels: merge when free x a step's ms
+        < waiting x key_ms x cfg rows x C x (n - g). On a device whose keys cost nothing (key_ms 0)
+        waves never wait past HOLD; on this CPU a few waves behind a split pay for it (emoji16, B 4,
+        the defaults: a split wave read 27 admissions against `ar`'s 4 and ran 3.5% slower)."""
+        costs = self.s.costs
+        if costs is None or waiting <= 0:
+            return False
+        idle = free * costs.cost(self.capacity)
+        spread = waiting * costs.key_ms * self.r * self.capacity * max(self.n - left, 0)
+        return idle < spread
 
     def ragged_keys(self) -> tuple[float, float]:
         """(keys, full): cached keys the next forward reads in all beyond what a lockstep batch

@@ -216,6 +216,36 @@ def test_a_split_wave_waits_briefly_to_refill_together_while_plain_steps_are_ahe
     assert ar.admits_now()  # ar never waits (its slots finish together unless a prompt failed)
 
 
+def test_a_split_wave_waits_longer_when_its_spread_would_cost_more_over_the_queue():
+    """Split by g tokens, every later wave of plain steps reads g (n - g) x C key rows more than a
+    lockstep batch; merging costs the free slots g idle steps once. Past HOLD the free slots wait
+    when the queue behind them would pay more for the spread (`_merge_pays`; g cancels), never
+    where keys cost nothing (a flat device) or nothing waits."""
+    from dataclasses import replace
+
+    bundle = random_bundle(seed=5, vocab=16, grid=(8, 8))
+    g = Generator(bundle, DecodeConfig(method="adt", temperature=0.0, batch_size=4,
+                                       adaptive=AdaptiveConfig(budget="cost")))
+    g.use_costs(replace(COSTS, key_ms=0.001))
+    d = g.decoder(4)
+    items, rows, _ = g._encode([(i, p, s) for i, (p, s) in enumerate(zip(PROMPTS[:4], SEEDS))])
+    d.admit(items, rows)
+    d.planner.holds = lambda slots: True
+    n, step = d.n, COSTS.cost(4)
+    d.slots.active[0] = False
+    d.slots.host_count[1:] = n - 20  # 20 rounds to go: 1/4 idle x 20 = 5 rounds, past HOLD
+    assert d.admits_now(0)  # nothing waits behind the wave: refill now
+    # one free slot idle for a step against waiting x key_ms x cfg rows x 4 slots x (n - 20) keys
+    need = step / (0.001 * d.r * 4 * (n - 20))
+    assert d.r == 2 and 1 < need < 10 and d.admits_now(int(need)) and not d.admits_now(int(need) + 1)
+    g.use_costs(replace(COSTS, key_ms=0.0))  # keys cost nothing: the spread is free
+    flat = g.decoder(4)
+    flat.admit(items, rows)
+    flat.planner.holds = lambda slots: True
+    flat.slots.active[0], flat.slots.host_count[1:] = False, n - 20
+    assert flat.admits_now(10**6)
+
+
 @pytest.mark.parametrize("method", ["adt", "jacobi"])
 def test_while_a_wave_waits_to_refill_its_rounds_are_plain_steps_and_a_due_probe_waits(method):
     """A round run while free slots wait for the rest of their wave (`held`) is a plain step even

@@ -53,6 +53,26 @@ def test_cost_planner_sizes_levels_and_nodes_together():
     assert m <= 6  # never more nodes than two levels of two children hold (2 + 2 x 2)
 
 
+def test_expected_tokens_never_exceed_what_a_tree_can_commit():
+    """An underconfident drafter (at T 0 its argmax is accepted far above its confidence)
+    calibrates each depth at 2-8x; its extra siblings must not then count 2-8x their
+    confidence: depth j commits at most what depth j - 1 does, so D levels at most D tokens."""
+    levels = [[0.3, 0.2, 0.2, 0.1], [0.25, 0.1, 0.1, 0.05], [0.2] + [0.05] * 8, [0.15] + [0.04] * 15]
+    p = _planner(CostTable({1: 10.0, 8: 12.0, 64: 30.0}))
+    for j, row in enumerate(_curves(levels), start=1):
+        p.curves[j] = row
+    p.hits[1:6], p.conf[1:6] = 40.0, 5.0  # every depth accepted at 8x its kept confidence
+    assert (p.calibration()[1:6] > 6).all()
+    below, adds = 0.0, [np.ones(65)]
+    for d, e in p.expected():
+        assert (e <= d + 1e-9).all() and (np.diff(e) >= -1e-9).all()  # at most D; more nodes never fewer
+        adds.append(e - below)
+        assert (adds[-1] <= adds[-2] + 1e-9).all()  # depth d adds at most what depth d - 1 does
+        below = e
+    d, m, x = p.ceiling()
+    assert x <= (1 + min(d, m)) / (p._fwd(m) + d * p._level_cost(1, 8)) * p._fwd(0) + 1e-9
+
+
 def test_cost_planner_learns_levels_from_their_gains_and_explores_one_deeper():
     from adt_core.round.state import RoundOutcome, RoundPlan
 
