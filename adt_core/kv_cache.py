@@ -192,6 +192,9 @@ class KVCache:
         """
         s = new_mask.shape[-2]
         dev = self.valid.device
+        if s == 1 and since is None and self._nst and self.length + 1 > self.max_len:
+            self.place()  # the stage outgrew the rows: the longest rows emptied (a wave waiting for its
+            # last image), the stage ran on past them, and each row's entries fit only in place
         if s == 1 and since is None:  # one query per row: its keys in place, the stage and itself (column
             total = self.length + 1  # `length`: its own, or staged, `write`)
             j = torch.arange(total, device=dev)[None]  # (1, K)

@@ -297,6 +297,37 @@ def test_ragged_keys_count_what_attention_reads_past_a_lockstep_batch():
     assert dec.ragged_keys() == (pytest.approx(6 * (6 - 4)), full)  # 6 rows, longest 6 past the prompt, mean 4
 
 
+def test_a_stage_that_outgrows_the_rows_is_placed_before_the_next_step():
+    """A wave waiting for its last image (`admits_now`) empties its longest rows while the stage
+    keeps their columns: the lagging row's plain steps then write past its own end, and after
+    `max_len - longest` of them the stage would overflow the rows. Before that step the stage is
+    placed (each row's entries at its own 0 .. length - 1), and the row runs on to its own end
+    with logits equal to its own forward's (fp32, to float rounding)."""
+    import numpy as np
+
+    bundle = random_bundle(seed=14, vocab=16, grid=(4, 5))
+    t = bundle.target
+    cache = t.new_cache(2, 16)
+    cache.k.normal_(), cache.v.normal_()
+    cache.set_lengths(np.array([12, 4]))
+    alone = t.new_cache(1, 16)
+    alone.k[:, 0], alone.v[:, 0] = cache.k[:, 1], cache.v[:, 1]
+    alone.set_lengths(np.array([4]))
+    one = torch.ones(2, 1, 1, dtype=torch.bool)
+    for step in range(12):  # row 1 from 4 to 16 entries: the stage, from column 12, would reach 24
+        tokens = torch.tensor([[3], [step % 16]])
+        pos = torch.tensor([[12 + min(step, 2)], [4 + step]])  # (row 0: padding once emptied)
+        with torch.inference_mode():
+            a, _ = t(pos, cache.attn_mask(one), cache, tokens=tokens)
+            b, _ = t(pos[1:], alone.attn_mask(one[:1]), alone, tokens=tokens[1:])
+        torch.testing.assert_close(a[1:], b, atol=1e-5, rtol=1e-5)
+        if step == 1:
+            cache.set_lengths(np.array([0, 6]))  # row 0's image retired: its rows emptied, the stage stays
+            assert cache.length == 14 and cache._nst == 2
+        assert cache.length <= cache.max_len
+    assert cache.host[1] == 16 and cache.length == 16
+
+
 def test_plain_steps_on_ragged_rows_stage_their_entries_past_the_longest_row_then_place_them_at_once():
     """Plain steps on rows of different lengths write every row's entry in the column past the
     longest row (a slice: no per-layer indexed copy), and the next plain steps' in the columns after
