@@ -235,7 +235,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
         levels and m nodes commits past the root. Depth j's tokens are its curve's gain times its
         calibration, at most depth j - 1's (a slot reaches depth j only through j - 1; the root's:
         1). The cap matters where the drafter is underconfident: at T 0 a depth's calibration of
-        2-3 made each extra sibling look worth 2-3x its confidence, and the stand-in's B 4 model
+        2-8 made each extra sibling look worth 2-8x its confidence, and the stand-in's B 4 model
         claimed 3.9 tokens per slot, the root's among them, from 2 levels (a 2.17x ceiling; 3 at most)."""
         cal = self.calibration()
         below = expected_at = 0.0  # curve of depth d - 1; (n_max + 1,) calibrated tokens of depth <= d

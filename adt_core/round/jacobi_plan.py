@@ -22,9 +22,10 @@ M is the width bucket with the best modelled rate; the round drafts when that be
 step's modelled rate by EDGE, and while the drafted rounds as they ran (`real`, the mean of the
 first readings, then an EMA) beat a plain step. Every `probe` rounds a neighbour of the best
 width (one bucket wider or narrower, in turn) runs RUN rounds, or, while plain steps win, the best
-width SHORT rounds; the interval doubles (to PROBE_MAX; four-fold, and the next probe SHORT
-rounds, while drafted rounds ran at under CLEAR of a plain step's rate) while probes leave the
-choice as it was, so a change (an easier region, fewer images in flight) is noticed.
+width SHORT rounds; the interval doubles (to PROBE_MAX) while probes leave the choice as it was,
+so a change (an easier region, fewer images in flight) is noticed. While drafted rounds run at
+under CLEAR of a plain step's rate the interval grows eight-fold and the next probe is SHORT
+rounds, up to PROBE_MAX or, past it, to where the probes cost PROBE_SHARE of the rounds.
 
 Why not adt's `BatchBudget` verdict: a Jacobi window holds predictions only while rounds verify
 it (a plain step predicts nothing past its root), so one-round alternation would compare drafted
@@ -58,7 +59,10 @@ SHORT = 4  # drafted rounds of a probe of drafting while plain steps win, or aft
 WARM = 2  # drafted rounds of a width, after plain steps or another width, that update no gain
 # (the window still holds what rounds of another depth, or none, predicted)
 PROBE, PROBE_MAX = 8, 256
-CLEAR = 0.8  # drafted rounds this far behind a plain step's rate: probes (RUN rounds each) back off four-fold
+CLEAR = 0.8  # drafted rounds this far behind a plain step's rate: probes back off eight-fold (else two-fold)
+PROBE_SHARE = 0.005  # past PROBE_MAX, a clear loser's probes may cost at most this share of the rounds:
+# a probe's SHORT rounds each lose 1 / ratio - 1 plain steps (at a ratio of 0.5, ~4 steps a probe: one every
+# ~800 rounds; at emoji16 B 16 at the defaults probes every 256 rounds cost ~1.5% of a run)
 PLAIN_EVERY = 48  # drafted rounds between plain steps that measure `base` while drafting wins
 
 
@@ -232,8 +236,10 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         """After a probe's last round: probe less often while the choice stays as it was."""
         if self.left == 0 and self.trying:
             same = self.choice() == self.before
-            clear = self.real is not None and self.real < CLEAR * self.rates()[1]  # drafting far behind
-            self.probe = min((4 if clear else 2) * self.probe, PROBE_MAX) if same else PROBE
+            ratio = None if self.real is None else self.real / self.rates()[1]  # drafted over plain rate
+            clear = ratio is not None and ratio < CLEAR  # drafting far behind
+            cap = max(PROBE_MAX, int(SHORT * (1.0 / max(ratio, 1e-3) - 1.0) / PROBE_SHARE)) if clear else PROBE_MAX
+            self.probe = min((8 if clear else 2) * self.probe, cap) if same else PROBE
             self.behind = clear and same
             self.trying = 0
 

@@ -55,26 +55,30 @@ class SlotTable:
             return True
         if not self.planner.holds(a):
             return True
-        left = int(np.max(self.n - s.host_count[s.active]))
+        lefts = self.n - s.host_count[s.active]  # (a,) rounds each busy slot still needs
+        left = int(lefts.max())
         if (1 - a / self.capacity) * left <= HOLD * self.n:
             return False
-        return not self._merge_pays(self.capacity - a, left, waiting)
+        return not self._merge_pays(lefts, waiting)
 
-    def _merge_pays(self, free: int, left: int, waiting: int) -> bool:
-        """Whether waiting `left` rounds with `free` slots idle costs less than the split wave
-        would over the `waiting` images behind it. Split by g = `left` tokens, a wave of n plain
-        steps reads, past a lockstep batch's, cache rows x (longest - mean) keys per step: (n - g)
-        steps with the free slots g behind, g steps with the refilled ones n - g behind; g (n - g)
-        keys per cache row and wave in all, for as many waves as `waiting` fills (waiting / C).
-        Waiting idles free / C of the batch for g steps. g cancels: merge when free x a step's ms
-        < waiting x key_ms x cfg rows x C x (n - g). On a device whose keys cost nothing (key_ms 0)
-        waves never wait past HOLD; on this CPU a few waves behind a split pay for it (emoji16, B 4,
-        the defaults: a split wave read 27 admissions against `ar`'s 4 and ran 3.5% slower)."""
+    def _merge_pays(self, lefts: np.ndarray, waiting: int) -> bool:
+        """Whether waiting for the busy slots (`lefts`: rounds each still needs) costs less than
+        the split wave would over the `waiting` images behind it. Split by g = max(lefts) tokens,
+        a wave of n plain steps reads, past a lockstep batch's, cache rows x (longest - mean) keys
+        per step: for g steps the busy slots run n - g ahead of the refilled ones, then, refilled
+        in turn, g behind them for n - g steps; g (n - g) keys per cache row and wave in all, for
+        as many waves as `waiting` fills (waiting / C): waiting x key_ms x cfg rows x g (n - g)
+        ms. Waiting idles every free slot until the last busy one finishes, and each busy one from
+        its end on: (free x g + sum(g - lefts)) / C steps of the batch. On a device whose keys
+        cost nothing (key_ms 0) waves never wait past HOLD; on this CPU a few waves behind a
+        small split pay for it (jacobi at emoji16 B 16, the defaults: a split wave read 27
+        admissions against `ar`'s 4 and ran 0.951x, a whole one 0.986x)."""
         costs = self.s.costs
         if costs is None or waiting <= 0:
             return False
-        idle = free * costs.cost(self.capacity)
-        spread = waiting * costs.key_ms * self.r * self.capacity * max(self.n - left, 0)
+        c, g = self.capacity, int(lefts.max())
+        idle = ((c - len(lefts)) * g + float((g - lefts).sum())) / c * costs.cost(c)
+        spread = waiting * costs.key_ms * self.r * g * max(self.n - g, 0)
         return idle < spread
 
     def ragged_keys(self) -> tuple[float, float]:

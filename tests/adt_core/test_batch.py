@@ -217,10 +217,10 @@ def test_a_split_wave_waits_briefly_to_refill_together_while_plain_steps_are_ahe
 
 
 def test_a_split_wave_waits_longer_when_its_spread_would_cost_more_over_the_queue():
-    """Split by g tokens, every later wave of plain steps reads g (n - g) x C key rows more than a
-    lockstep batch; merging costs the free slots g idle steps once. Past HOLD the free slots wait
-    when the queue behind them would pay more for the spread (`_merge_pays`; g cancels), never
-    where keys cost nothing (a flat device) or nothing waits."""
+    """Split by g tokens, every later wave of plain steps reads g (n - g) keys per cache row more
+    than a lockstep batch; merging idles the free slots g steps once, and each busy slot from its
+    own end on. Past HOLD the free slots wait when the queue behind them would pay more for the
+    spread (`_merge_pays`), never where keys cost nothing (a flat device) or nothing waits."""
     from dataclasses import replace
 
     bundle = random_bundle(seed=5, vocab=16, grid=(8, 8))
@@ -238,6 +238,10 @@ def test_a_split_wave_waits_longer_when_its_spread_would_cost_more_over_the_queu
     # one free slot idle for a step against waiting x key_ms x cfg rows x 4 slots x (n - 20) keys
     need = step / (0.001 * d.r * 4 * (n - 20))
     assert d.r == 2 and 1 < need < 10 and d.admits_now(int(need)) and not d.admits_now(int(need) + 1)
+    d.slots.host_count[2:] = n - 2  # two of the busy slots end much sooner: they idle 18 rounds too
+    uneven = step * (20 + 18 + 18) / 4 / (0.001 * d.r * 20 * (n - 20))  # 2.8x the queue
+    assert d.admits_now(int(need) + 1) and d.admits_now(int(uneven)) and not d.admits_now(int(uneven) + 1)
+    d.slots.host_count[2:] = n - 20
     g.use_costs(replace(COSTS, key_ms=0.0))  # keys cost nothing: the spread is free
     flat = g.decoder(4)
     flat.admit(items, rows)

@@ -78,12 +78,12 @@ def test_the_budget_measures_a_width_only_on_a_window_its_own_rounds_filled():
 def test_jacobi_drafts_only_while_its_drafted_rounds_as_they_ran_beat_a_plain_step():
     """JacobiPlanner: whatever its model of the widths says, the drafted rounds as they ran
     (`real`: tokens per slot per charged ms) must beat a plain step; probes of a clear loser
-    back off four-fold."""
+    back off eight-fold, past PROBE_MAX while they cost at most PROBE_SHARE of the rounds."""
     import numpy as np
 
     from adt_core.calibrate import CostTable
     from adt_core.round.adaptive import AdaptiveGrid
-    from adt_core.round.jacobi_plan import PROBE, JacobiPlanner
+    from adt_core.round.jacobi_plan import PROBE, PROBE_MAX, PROBE_SHARE, SHORT, JacobiPlanner
     from adt_core.round.state import RoundOutcome, RoundPlan
 
     cfg = AdaptiveConfig()
@@ -99,7 +99,12 @@ def test_jacobi_drafts_only_while_its_drafted_rounds_as_they_ran_beat_a_plain_st
     assert p.real == pytest.approx(1 / 20.0) and p.choice() == 0
     p.trying, p.before, p.probe = 4, 0, PROBE  # a probe just ended and confirmed plain steps
     p._probed()
-    assert p.probe == 4 * PROBE  # drafted rounds at half a plain step's rate: four-fold
+    assert p.probe == 8 * PROBE  # drafted rounds at half a plain step's rate: eight-fold
+    for _ in range(3):
+        p.trying, p.before = 4, 0
+        p._probed()
+    # past PROBE_MAX while probes cost under PROBE_SHARE: SHORT rounds losing a plain step each
+    assert p.probe == int(SHORT * (1 / 0.5 - 1) / PROBE_SHARE) > PROBE_MAX
 
 
 def test_jacobi_measures_a_plain_step_first_probes_drafting_briefly_and_keeps_times_when_narrowed():
