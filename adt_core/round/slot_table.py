@@ -45,16 +45,16 @@ class SlotTable:
         """Whether free slots take new images now (`Generator.rounds` asks before refilling;
         `waiting`: images still to admit). A probe leaves slots a token or two apart; refilled at
         once, the wave stays split (plain steps on the cache's ragged path, prefills in small
-        groups). While plain steps are the planner's choice (`holds`: a due probe waits for the
-        refill, `Slots.held`) the free slots wait for the rest of the wave, and it refills
+        groups). While plain steps are the planner's choice for the full batch (`holds(capacity)`:
+        a due probe waits for the refill, `Slots.held`) the free slots wait for the rest of the wave, and it refills
         together, as `ar`'s does, when the wait is short (at most HOLD of an image's rounds of
         idle batch) or costs less than the split it mends (`_merge_pays`)."""
         s = self.slots
         a = int(s.active.sum())
         if a == 0 or a == self.capacity:
             return True
-        if not self.planner.holds(a):
-            return True
+        if not self.planner.holds(self.capacity):  # the batch the wave refills to (at 15 of 16 the
+            return True  # stand-in's guard read bucket 8-15, where drafting wins: the waves never merged)
         lefts = self.n - s.host_count[s.active]  # (a,) rounds each busy slot still needs
         left = int(lefts.max())
         if (1 - a / self.capacity) * left <= HOLD * self.n:
