@@ -109,9 +109,16 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
 
     def share(self, other) -> None:
         """Another capacity's planner of the same Generator: its extra tokens per width are per
-        slot and hold here too; round times are of another batch and are measured again."""
+        slot and hold here too; round times are of another batch and are measured again. Where
+        drafting ran far behind plain steps at fewer slots (`behind`), it is behind here too (the
+        same tokens per slot for a forward that costs more per token as the batch widens, on a CPU
+        and on a GPU alike): plain steps until a probe here says otherwise, probed as rarely as
+        there (emoji16 B 16 at the defaults drafted 10 of its 14 rounds in the first 80 rounds,
+        at 0.6 of a plain step's rate, after the warm-up at 4 slots had found that)."""
         if isinstance(other, JacobiPlanner):
             self.gain, self.seen, self._gains = dict(other.gain), dict(other.seen), None
+            if other.behind and other.capacity <= self.capacity:
+                self.behind, self.probe = True, other.probe
 
     def narrow(self, capacity: int) -> None:
         """Extra tokens per width are per slot: they stay. A round's times scale by the table's
@@ -163,6 +170,8 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         probes measure drafting again)."""
         rates, plain = self.rates()
         i = int(np.argmax(rates))
+        if self.real is None and self.behind:
+            return 0  # behind at fewer slots (`share`), not yet measured here
         if self.real is not None and self.real <= EDGE * plain:
             return 0
         return self.widths[i] if rates[i] > EDGE * plain else 0

@@ -46,9 +46,9 @@ class SlotTable:
         `waiting`: images still to admit). A probe leaves slots a token or two apart; refilled at
         once, the wave stays split (plain steps on the cache's ragged path, prefills in small
         groups). While plain steps are the planner's choice for the full batch (`holds(capacity)`:
-        a due probe waits for the refill, `Slots.held`) the free slots wait for the rest of the wave, and it refills
-        together, as `ar`'s does, when the wait is short (at most HOLD of an image's rounds of
-        idle batch) or costs less than the split it mends (`_merge_pays`)."""
+        a due probe waits for the refill, `Slots.held`) the free slots wait for the rest of the
+        wave, and it refills together, as `ar`'s does, when the wait is short (at most HOLD of an
+        image's rounds of idle batch) or costs less than the split it mends (`_merge_pays`)."""
         s = self.slots
         a = int(s.active.sum())
         if a == 0 or a == self.capacity:

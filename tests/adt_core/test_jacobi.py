@@ -132,3 +132,31 @@ def test_jacobi_measures_a_plain_step_first_probes_drafting_briefly_and_keeps_ti
     f = costs.cost(2) / costs.cost(4)
     p.narrow(2)
     assert p.base == pytest.approx(10.0 * f) and p.real == pytest.approx(0.01 / f) and p.choice() == 0
+
+
+def test_jacobi_behind_at_fewer_slots_starts_behind_at_more():
+    """JacobiPlanner.share: drafting far behind plain steps at 4 slots (a clear loser) is behind
+    at 16 too (the same tokens per slot, a forward dearer per token): plain steps until a probe
+    there measures it, at the interval reached at 4. A planner of more slots lends no such verdict."""
+    from adt_core.calibrate import CostTable
+    from adt_core.round.adaptive import AdaptiveGrid
+    from adt_core.round.jacobi_plan import PROBE, SHORT, JacobiPlanner
+
+    cfg = AdaptiveConfig()
+    costs = CostTable({1: 10.0, 8: 11.0, 64: 40.0, 256: 120.0})
+    make = lambda c: JacobiPlanner(256, cfg, AdaptiveGrid(c, (16, 16), cfg), costs, capacity=c)  # noqa: E731
+    small = make(4)
+    small.gain = {w: 3.0 for w in small.widths}  # the model alone would draft
+    small.behind, small.probe = True, 8 * PROBE
+    big = make(16)
+    big.share(small)
+    for _ in range(2):
+        big.observe_plain(16, 20.0)  # base measured (the first holds one-off costs)
+    assert big.behind and big.probe == 8 * PROBE and big.choice() == 0
+    picks = [big._pick() for _ in range(big.probe + SHORT)]
+    assert picks.count(0) == big.probe and len(picks) - picks.count(0) == SHORT  # one SHORT probe, at 8 x PROBE
+    other = make(4)
+    wide = make(16)
+    wide.behind, wide.probe = True, 8 * PROBE
+    other.share(wide)  # behind at more slots says nothing of fewer
+    assert not other.behind and other.probe == PROBE
