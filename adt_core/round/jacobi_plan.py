@@ -168,12 +168,12 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         out: drafted rounds as they ran (`real`: their tokens per charged ms, cold windows and
         the rows' spread included) must have beaten a plain step, or plain steps run (and the
         probes measure drafting again)."""
-        rates, plain = self.rates()
-        i = int(np.argmax(rates))
         if self.real is None and self.behind:
             return 0  # behind at fewer slots (`share`), not yet measured here
+        rates, plain = self.rates()
         if self.real is not None and self.real <= EDGE * plain:
             return 0
+        i = int(np.argmax(rates))
         return self.widths[i] if rates[i] > EDGE * plain else 0
 
     def best(self) -> int:
@@ -245,7 +245,7 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         """After a probe's last round: probe less often while the choice stays as it was."""
         if self.left == 0 and self.trying:
             same = self.choice() == self.before
-            ratio = None if self.real is None else self.real / self.rates()[1]  # drafted over plain rate
+            ratio = None if self.real is None else self.real * self._base()  # drafted over plain rate
             clear = ratio is not None and ratio < CLEAR  # drafting far behind
             cap = max(PROBE_MAX, int(SHORT * (1.0 / max(ratio, 1e-3) - 1.0) / PROBE_SHARE)) if clear else PROBE_MAX
             self.probe = min((8 if clear else 2) * self.probe, cap) if same else PROBE
