@@ -8,7 +8,8 @@ cost(A (1 + m)) whatever the slots' individual trees. The budget, per round:
 1. whether to draft at all (`BatchBudget`): a drafted round must commit tokens faster (EDGE = 1: the
    better rate, ties to plain steps) than the plain AR steps just before it with about as many slots
    (a step's cost drifts as images grow and the batch refills; only neighbours compare), in the
-   median of the latest comparisons (one slow step on a shared machine must not start a run of losing
+   latest comparisons: their mean tokens ratio over their median time ratio (one slow step on a shared
+   machine must not start a run of losing
    drafts). Otherwise the round is a plain batched AR step (the drafter is not run, and it is
    not fed the pairs of plain steps it will not need; it catches up on the last few in one
    forward when drafting resumes). Slot counts share measurements by power of two. A count
@@ -50,14 +51,14 @@ CLEAR_LOSS = 0.85  # a probe this far behind the winner (rate ratio) backs off f
 EMA = 0.2  # the planner's smoothing of its own estimates (acceptance calibration, level cost)
 NEAR = 4  # a round is compared with the other kind's rounds among the NEAR rounds before it
 SAMPLES = 3  # comparisons measured before a bucket has a verdict
-WINDOW = 24  # a bucket's verdict: the median of its latest WINDOW comparisons
-EDGE = 1.0  # drafting is chosen when its median rate ratio exceeds this (ties: plain steps, which cost what `ar` pays)
+WINDOW = 24  # a bucket's verdict: its latest WINDOW comparisons (`_gain`)
+EDGE = 1.0  # drafting is chosen when its rate ratio (`_gain`) exceeds this (ties: plain steps, which cost what `ar` pays)
 SPREAD = 0.12  # the least spread assumed of one comparison's log ratio (a shared CPU: +-10-20% per reading)
 SURE_AFTER = 2  # comparisons before a verdict may be sure, in multiples of `samples`
-SURE = 2.0  # a verdict is sure when its median log ratio is this many standard errors from a tie
+SURE = 2.0  # a verdict is sure when its log rate ratio is this many standard errors from a tie
 class Ragged:
-    """Rounds judged against a lockstep batch: a drafted round on the rows drafting leaves, a plain
-    step on the rows a wave refilled together would have.
+    """Rounds judged against a lockstep batch at mid-image: a drafted round on the rows drafting
+    leaves, a plain step on the rows a wave refilled together would have.
 
     Attention reads every cache row up to the longest row. `ar`'s rows grow in lockstep; drafted
     rounds accept different numbers of tokens per slot, the slots then free and refill at
@@ -66,36 +67,44 @@ class Ragged:
     Comparing adjacent rounds cannot see that: a drafted round measured while the batch is still
     in lockstep is spared the spread it starts, and once the rows have spread both kinds pay it.
     So, with `key_ms` the table's cost per key and row (`CostTable.key_ms`), before each round
-    `now(keys, full)` (the keys its forward reads past a lockstep batch's; `full`: those of rows
-    spread evenly over an image):
-    - a drafted round counts `drafted(ms)` = ms + key_ms x (spread - keys), `spread` the keys met
-      by the drafted rounds of runs, decayed over about an image's drafted rounds (2 / n per
-      round) from `full` (the spread continuous refill reaches); rounds that explore or probe amid
-      plain steps meet rows the plain steps kept together and teach nothing of it;
-    - a plain step counts `plain(ms)` = ms - key_ms x keys: what it costs once a wave refills
-      together (`Planner.holds`), which only plain steps allow.
+    `now(keys, full, ahead)` (the keys its forward reads past a lockstep batch's; `full`: those of
+    rows spread evenly over an image; `ahead`: how many more a lockstep batch reads at mid-image
+    than now):
+    - a drafted round counts `drafted(ms)` = ms + key_ms x (spread - keys + ahead), `spread` the
+      keys met by the drafted rounds of runs, decayed over about an image's drafted rounds (2 / n
+      per round) from `full` (the spread continuous refill reaches); rounds that explore or probe
+      amid plain steps meet rows the plain steps kept together and teach nothing of it;
+    - a plain step counts `plain(ms)` = ms + key_ms x (ahead - keys): what it costs once a wave
+      refills together (`Planner.holds`), which only plain steps allow.
+    Both are read at mid-image (`ahead`): the spread's charge is a fixed number of keys, and
+    against a wave's first steps, which read half the keys of its middle ones, it would weigh
+    twice what it does over the image (at the 32-layer stand-in's B 64, T 0: +96 ms against plain
+    steps of 112-135 ms early in a wave, ~220 ms mid-image). A forward's cost per key and row
+    barely depends on the tokens it carries per row (the stand-in at B 16: 0.0061-0.0065 ms with
+    1 or 2 per row, 0.008-0.009 with 4), so one `key_ms` serves both kinds.
     So a batch drafts only where drafting pays on the rows it leaves against plain steps on the
-    rows they keep. A device or batch whose rows cost nothing per key (key_ms 0; one slot: full
-    0) is judged as measured."""
+    rows they keep, over the whole image. A device or batch whose rows cost nothing per key
+    (key_ms 0) is judged as measured; one slot pays no spread (full 0)."""
 
     def __init__(self, key_ms: float, n_tokens: int) -> None:
         self.key_ms, self.decay = key_ms, min(1.0, 2.0 / max(n_tokens, 1))
         self.keys = 0.0  # past a lockstep batch's, before this round
+        self.ahead = 0.0  # a lockstep batch's keys at mid-image less its keys now
         self.spread: float | None = None  # keys drafted rounds leave (None: nothing drafted yet)
 
-    def now(self, keys: float, full: float) -> None:
-        self.keys = keys
+    def now(self, keys: float, full: float, ahead: float = 0.0) -> None:
+        self.keys, self.ahead = keys, ahead
         if self.spread is None:
             self.spread = full
 
     def plain(self, ms: float) -> float:
-        """A plain step's ms as at lockstep: less the keys its forward read past a lockstep batch's
-        (at most half of it). Plain steps on spread rows pay for the spread drafted rounds left;
-        judged as measured they tie with drafting wherever the rows have spread, and drafting runs
-        on (at emoji16 B 16, T 0 the comparisons' median stayed at 1.00-1.04 while both kinds ran
+        """A plain step's ms as at lockstep and mid-image: less the keys its forward read past a
+        lockstep batch's, plus those it has `ahead` (at least half of it). Plain steps on spread
+        rows pay for the spread drafted rounds left; judged as measured they tie with drafting
+        wherever the rows have spread, and drafting runs on (at emoji16 B 16, T 0 the comparisons' median stayed at 1.00-1.04 while both kinds ran
         4-5% dearer per token than `ar`'s steps). Plain steps are what lets a wave refill together
         (`Planner.holds`), so their lockstep cost is what they are worth."""
-        return max(ms - self.key_ms * self.keys, 0.5 * ms)
+        return max(ms + self.key_ms * (self.ahead - self.keys), 0.5 * ms)
 
     def drafted(self, ms: float, learn: bool = True) -> float:
         """learn=False: a round that measures drafting (exploring, a probe) amid plain steps meets
@@ -104,7 +113,7 @@ class Ragged:
         spread = self.keys if self.spread is None else self.spread
         if learn:
             self.spread = spread + self.decay * (self.keys - spread)
-        return ms + self.key_ms * max(spread - self.keys, 0.0)
+        return max(ms + self.key_ms * (max(spread - self.keys, 0.0) + self.ahead), 0.5 * ms)
 
 
 class BatchBudget:
@@ -113,28 +122,30 @@ class BatchBudget:
     A step's cost drifts as images grow (attention reads every cached key) and as the batch
     refills, so rates measured at different times do not compare. A round of the rarer kind
     (a drafted round while plain steps win or while exploring, a plain probe while drafting
-    wins) is compared with the median rate of the other kind's rounds of the same slot bucket
-    among the NEAR rounds before it: their rate ratio (drafted / plain) is one comparison. A
-    bucket's gain is the median of its latest WINDOW comparisons, so a single round slowed by
-    other work on the machine decides little. A bucket without a verdict alternates the kinds,
+    wins) is compared with the other kind's rounds of the same slot bucket among the NEAR rounds
+    before it: one comparison is their ratio of mean tokens and their ratio of median ms (drafted /
+    plain). A bucket's gain over its latest WINDOW comparisons (`_gain`) is their mean tokens ratio
+    over their median time ratio: a round slowed by other work on the machine decides little,
+    while every token counts (the tokens a drafted round commits vary; their median is no mean). A bucket without a verdict alternates the kinds,
     plain first, until it has `samples` comparisons; afterwards the losing kind runs only as a
     probe. Near break-even a wrong call costs little and a sure one needs many comparisons: while
     the median log ratio is within SURE standard errors of a tie (`_sure`), the loser is probed
     every PROBE_NEAR rounds (a sequential test: the comparisons accumulate until the call is
     sure); once sure, the probe interval grows to PROBE_MAX. A probe is PROBE_RUN rounds: the
-    first pays the switch, the median rate of the others is its one comparison."""
+    first pays the switch, the others are its one comparison."""
 
     def __init__(self, costs: CostTable, cfg: AdaptiveConfig, samples: int = SAMPLES) -> None:
         self.costs, self.cfg, self.samples = costs, cfg, samples
-        self.ratios: dict[int, list[float]] = {}  # bucket -> its latest comparisons (drafted / plain rate)
+        self.ratios: dict[int, list[tuple[float, float]]] = {}  # bucket -> its latest comparisons (drafted / plain:
+        # mean tokens, median ms)
         self.verdict: dict[int, bool] = {}  # bucket -> drafting measured faster (once it has `samples` comparisons)
         self.sure: dict[int, bool] = {}  # bucket -> its verdict is SURE standard errors from a tie
-        self.recent: dict[tuple[int, bool], list[tuple[int, float]]] = {}  # (bucket, drafted) -> (round, rate)
+        self.recent: dict[tuple[int, bool], list[tuple[int, int, float]]] = {}  # (bucket, drafted) -> (round, tokens, ms)
         self.round = 0  # rounds measured
         self.since_probe = 0
         self.probe_every = PROBE_EVERY  # doubles while probes confirm the winner, up to PROBE_MAX
         self.probe_run = 0  # rounds of the probe under way so far
-        self.probe_rates: list[float] = []  # the rates of its rounds after the first
+        self.probe_rounds: list[tuple[int, int, float]] = []  # its rounds after the first: (round, tokens, ms)
 
     def token_ms(self, a: int) -> float:
         """Modelled milliseconds per committed token of a plain AR step with `a` slots."""
@@ -148,8 +159,8 @@ class BatchBudget:
 
     @property
     def gain(self) -> dict[int, float]:
-        """Bucket -> drafted / plain rate: the median of its latest comparisons."""
-        return {k: _median(r) for k, r in self.ratios.items() if r}
+        """Bucket -> drafted / plain rate over its latest comparisons (`_gain`)."""
+        return {k: _gain(r) for k, r in self.ratios.items() if r}
 
     def pairs(self, k: int) -> int:
         """Comparisons measured in bucket k."""
@@ -174,7 +185,7 @@ class BatchBudget:
         k = self.bucket(a)
         choice = self._choice(k)
         if choice is None:  # alternate, plain first
-            last = lambda d: max((r for r, _ in self.recent.get((k, d), ())), default=-1)  # noqa: E731
+            last = lambda d: max((x[0] for x in self.recent.get((k, d), ())), default=-1)  # noqa: E731
             return last(False) > last(True)
         if self.since_probe >= self.probe_every:
             return not choice  # probe the losing choice (a bucket with a borrowed verdict: only by probes)
@@ -189,6 +200,19 @@ class BatchBudget:
         """True when plain steps are the choice for `a` slots (a probe of drafting may be due)."""
         return self._choice(self.bucket(a)) is False
 
+    def judges(self, a: int) -> bool:
+        """Whether the next round of `a` slots is measured: all but the plain steps taken while
+        plain steps win with no probe of drafting due within NEAR rounds (a probe is compared with
+        the NEAR rounds before it; earlier ones are never read). An unmeasured round only counts
+        (`pass_round`): its planner skips the rows' read and the clock (at emoji16 B 4 on a CPU,
+        ~70 us of a 4.7 ms plain step that `ar` does not pay)."""
+        return self._choice(self.bucket(a)) is not False or self.since_probe + NEAR >= self.probe_every
+
+    def pass_round(self) -> None:
+        """A plain step `judges` left unmeasured: it counts towards the next probe."""
+        self.round += 1
+        self.since_probe += 1
+
     def plain_ahead(self, a: int, rounds: int) -> bool:
         """True when the next `rounds` rounds of `a` slots will be plain steps (the drafter then
         needs none of their pairs)."""
@@ -197,33 +221,33 @@ class BatchBudget:
     def observe_round(self, a: int, drafted: bool, ms: float, tokens: int) -> None:
         """A finished round with `a` slots: whether it drafted, its ms, tokens committed."""
         k = self.bucket(a)
-        rate = tokens / max(ms, 1e-6)
+        row = (self.round + 1, tokens, ms)
         self.round += 1
         before = self._choice(k)
         probe = before is not None and drafted != before
         span = NEAR
-        mine = rate
+        mine = [row]
         if probe:  # a probe is PROBE_RUN rounds; its first pays the switch, the others are compared as one
             self.probe_run += 1
-            self.probe_rates = self.probe_rates + [rate] if self.probe_run > 1 else []
+            self.probe_rounds = self.probe_rounds + [row] if self.probe_run > 1 else []
             if self.probe_run < PROBE_RUN:
-                self._remember(k, drafted, rate)
+                self._remember(k, drafted, row)
                 return  # `since_probe` stays: the probe goes on
-            mine = float(np.median(self.probe_rates))
-            self.probe_run, self.probe_rates, span = 0, [], NEAR + PROBE_RUN - 1
+            mine = self.probe_rounds
+            self.probe_run, self.probe_rounds, span = 0, [], NEAR + PROBE_RUN - 1
         if drafted != bool(before):  # the rarer kind: compare it with the other kind's rounds just before
-            near = [x for r, x in self.recent.get((k, not drafted), ()) if self.round - r <= span]
-            if near:  # their middle (the mean of the middle two of an even count: no bias either way)
-                ref = float(np.median(near))
+            near = [x for x in self.recent.get((k, not drafted), ()) if self.round - x[0] <= span]
+            if near:
+                d, p = (mine, near) if drafted else (near, mine)
                 ratios = self.ratios.setdefault(k, [])
-                ratios.append(mine / ref if drafted else ref / mine)
+                ratios.append((_tokens(d) / _tokens(p), _ms(d) / max(_ms(p), 1e-6)))
                 del ratios[:-WINDOW]
                 if len(ratios) >= self.samples:
-                    self.verdict[k] = _median(ratios) > EDGE
+                    self.verdict[k] = _gain(ratios) > EDGE
                     self.sure[k] = _sure(ratios, self.samples)
                     if not self.sure[k]:  # a near tie: the loser is measured again soon
                         self.probe_every = min(self.probe_every, PROBE_NEAR)
-        self._remember(k, drafted, rate)
+        self._remember(k, drafted, row)
         if before is None:
             return
         if probe:  # a probe of the losing choice
@@ -231,7 +255,7 @@ class BatchBudget:
             same = self._choice(k) == before
             grow = 2
             if k in self.ratios:
-                g = _median(self.ratios[k])
+                g = _gain(self.ratios[k])
                 grow = 4 if min(g, 1 / max(g, 1e-9)) < CLEAR_LOSS else 2
             if not self.sure.get(k, True):  # a near tie: keep measuring (a wrong call costs little here)
                 self.probe_every = PROBE_NEAR
@@ -241,25 +265,47 @@ class BatchBudget:
             self.since_probe += 1
 
 
-    def _remember(self, k: int, drafted: bool, rate: float) -> None:
+    def _remember(self, k: int, drafted: bool, row: tuple[int, int, float]) -> None:
         mine = self.recent.setdefault((k, drafted), [])
-        mine.append((self.round, rate))
+        mine.append(row)
         del mine[:-NEAR]
 
 
-def _sure(ratios: list[float], samples: int = SAMPLES) -> bool:
-    """Whether the median log ratio is SURE standard errors from a tie (log EDGE). The spread is
-    the median absolute deviation (one slow round must not make a clear loss look unsure), at
-    least SPREAD (a few equal comparisons prove little on a noisy machine). Before SURE_AFTER x
-    `samples` comparisons every comparison must also lie on the same side of the tie (three
-    unlucky readings must not settle a near tie; three readings of 0.67-0.86 at emoji16 B 64 are
-    no near tie, and probing them as one cost nine drafted rounds at a 30% loss)."""
-    logs = np.log(np.maximum(np.asarray(ratios, dtype=float), 1e-9)) - np.log(EDGE)
+def _tokens(rows: list[tuple[int, int, float]]) -> float:
+    """The mean tokens of some rounds (round, tokens, ms)."""
+    return sum(x[1] for x in rows) / len(rows)
+
+
+def _ms(rows: list[tuple[int, int, float]]) -> float:
+    """The median ms of some rounds (of an even count, the mean of the middle two)."""
+    return float(np.median([x[2] for x in rows]))
+
+
+def _gain(ratios: list[tuple[float, float]]) -> float:
+    """Drafted / plain rate over comparisons (tokens ratio, time ratio): the mean tokens ratio
+    over the median time ratio (of an even count the upper middle one: ties go to plain steps).
+    Tokens are what the images gave, so all count; time is what the machine gave, so a slow
+    reading counts little. A median of rates is no rate where the tokens vary: at emoji16 B 1 at
+    the defaults drafted rounds of ~5.6 ms committed 2 tokens or 1 (0.36 or 0.18 per ms); the
+    median of rates read 0.36 where the rate was ~0.30, and drafting ran in half the rounds at
+    0.93x of `ar`."""
+    return float(np.mean([t for t, _ in ratios])) / max(_median([r for _, r in ratios], upper=True), 1e-9)
+
+
+def _sure(ratios: list[tuple[float, float]], samples: int = SAMPLES) -> bool:
+    """Whether the log gain (`_gain`) is SURE standard errors from a tie (log EDGE). The spread is
+    the median absolute deviation of the comparisons' log rate ratios (one slow round must not
+    make a clear loss look unsure), at least SPREAD (a few equal comparisons prove little on a
+    noisy machine). Before SURE_AFTER x `samples` comparisons every comparison must also lie on
+    the same side of the tie (three unlucky readings must not settle a near tie; three readings
+    of 0.67-0.86 at emoji16 B 64 are no near tie, and probing them as one cost nine drafted
+    rounds at a 30% loss)."""
+    logs = np.log(np.maximum(np.asarray([t / max(r, 1e-9) for t, r in ratios], dtype=float), 1e-9)) - np.log(EDGE)
     if samples > 1 and len(ratios) < SURE_AFTER * samples and not (
             len(ratios) >= samples and ((logs > 0).all() or (logs < 0).all())):
         return False
-    mid = float(np.median(logs))
-    sd = max(1.4826 * float(np.median(np.abs(logs - mid))), SPREAD)
+    mid = float(np.log(max(_gain(ratios), 1e-9)) - np.log(EDGE))
+    sd = max(1.4826 * float(np.median(np.abs(logs - np.median(logs)))), SPREAD)
     se = 1.2533 * sd / np.sqrt(len(logs))  # the standard error of a median
     return abs(mid) >= SURE * se
 

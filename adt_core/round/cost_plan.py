@@ -44,12 +44,13 @@ def _smooth(old: float | None, x: float) -> float:
 
 class RowsJudged:
     """A cost budget's drafted rounds judged on the rows drafting leaves (adt_core/round/budget.py
-    `Ragged`) and its plain steps as at lockstep: before each round (once the plan is made) the
-    decoder passes `ragged` the cached keys its forward reads beyond a lockstep batch's, and those
-    of rows spread evenly over an image (`SlotTable.ragged_keys`, read only for planners with
-    `reads_rows`)."""
+    `Ragged`) and its plain steps as at lockstep, both at mid-image: before each round (once the
+    plan is made) the decoder passes `ragged` the cached keys its forward reads beyond a lockstep
+    batch's, those of rows spread evenly over an image, and those a lockstep batch reads more at
+    mid-image than now (`SlotTable.ragged_keys`, read only for planners with `reads_rows`)."""
 
     reads_rows = True
+    judged = True  # whether the next round is measured (`plan` decides; unmeasured rounds skip the rows' read)
     rows: Ragged
 
     @classmethod
@@ -57,8 +58,8 @@ class RowsJudged:
         """The widest tree, in rows with `plan.ROOM` nodes past an image's end (plans fit `Slots.room`)."""
         return roomy(super().extent(config))  # type: ignore[misc]
 
-    def ragged(self, keys: float, full: float) -> None:
-        self.rows.now(keys, full)
+    def ragged(self, keys: float, full: float, ahead: float = 0.0) -> None:
+        self.rows.now(keys, full, ahead)
 
     def fresh_rows(self) -> None:
         """The rows' spread measured anew (at start, and for a narrowed batch)."""
@@ -142,8 +143,10 @@ class CostPlanner(RowsJudged, ShapePlanner):
         return (time.process_time() * 1000.0 - self._c0) if self.cpu else round_ms
 
     def plan(self, slots: Slots) -> RoundPlan | None:
-        self._c0 = time.process_time() * 1000.0
         a = int(slots.active.sum())
+        self.judged = self.guard.judges(a)
+        if self.judged:
+            self._c0 = time.process_time() * 1000.0
         if a == 0 or slots.held or not self.guard.worth_drafting(a):
             return None  # (held: a wave's free slots wait; a due probe waits for the refill)
         d, k = self.shapes(slots)
@@ -329,6 +332,9 @@ class CostPlanner(RowsJudged, ShapePlanner):
         return self.guard.holds(slots)
 
     def observe_plain(self, slots: int, round_ms: float) -> None:
+        if not self.judged:  # no comparison will read it: counted only
+            self.guard.pass_round()
+            return
         cost = self.rows.plain(self._cost_ms(round_ms))  # as at lockstep
         if self._warm(False):
             self.guard.observe_round(slots, False, cost, slots)

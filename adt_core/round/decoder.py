@@ -144,7 +144,7 @@ class BatchDecoder(SlotTable):
         plan = self.planner.plan(self.slots)
         if plan is not None and self.forced is not None:
             plan = self.forced.within_row(plan, self.slots)
-        if self.planner.reads_rows:  # the rows the round starts from: how far apart (`budget.Ragged`)
+        if self.planner.reads_rows and self.planner.judged:  # the rows it starts from: how far apart (`budget.Ragged`)
             self.planner.ragged(*self.ragged_keys())
         if plan is None:
             a = self._plain_step(t0)

@@ -63,6 +63,8 @@ CLEAR = 0.8  # drafted rounds this far behind a plain step's rate: probes back o
 PROBE_SHARE = 0.005  # past PROBE_MAX, a clear loser's probes may cost at most this share of the rounds:
 # a probe's SHORT rounds each lose 1 / ratio - 1 plain steps (at a ratio of 0.5, ~4 steps a probe: one every
 # ~800 rounds; at emoji16 B 16 at the defaults probes every 256 rounds cost ~1.5% of a run)
+JUDGE = 8  # plain steps the model chose are measured (`base`, the rows' read) only this close to a probe: the
+# EMA reads ~5 rounds, and unmeasured ones skip ~70 us of a 4.7 ms plain step at emoji16 B 4 on a CPU
 PLAIN_EVERY = 48  # drafted rounds between plain steps that measure `base` while drafting wins
 
 
@@ -192,6 +194,7 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
             return 0  # a plain step measures `base`
         self.idle += 1
         if self.idle < self.probe:
+            self.judged = m > 0 or self.idle + JUDGE >= self.probe
             return m
         self.idle, self.before = 0, m
         best = self.best()
@@ -204,6 +207,7 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
     # ---- planner interface ------------------------------------------------------------------
     def plan(self, slots: Slots) -> RoundPlan | None:
         self._c0 = time.process_time() * 1000.0
+        self.judged = True  # (`_pick`: not the plain steps the model chose far from a probe)
         if not slots.active.any() or slots.held:
             return None  # (held: a wave's free slots wait for the rest of it; a probe waits for the refill)
         m = fit(self._pick(), slots.room, self.widths)  # near an image's end: the widest of its widths that fits
@@ -260,6 +264,8 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
     def observe_plain(self, slots: int, round_ms: float) -> None:
         self.run, self.drafted, self.last, self.same = 0, 0, 0, 0
         self.plains += 1
+        if not self.judged:
+            return  # the model's plain step far from a probe: `base` is read from those just before one
         if self.plains == 1 and self.base is None:
             return  # a decoder's first plain step pays one-off costs
         ms = self.rows.plain(self._cost_ms(round_ms))  # as at lockstep

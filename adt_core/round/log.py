@@ -9,6 +9,7 @@ leaves, its `StepStats` is assembled from the counters and the rounds since it e
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 
 import numpy as np
@@ -23,28 +24,27 @@ COUNTERS = ("target_forwards", "draft_forwards", "draft_tokens", "accepted_draft
 
 
 class PlainRounds:
-    """One row per plain round, (round number, ms per image, slots, tokens), in a growing array:
-    every image in flight took part in it, so rows are not per slot."""
+    """One row per plain round, (round number, ms per image, slots, tokens): every image in flight
+    took part in it, so rows are not per slot. Rows are appended as tuples and made an array only
+    for an image that leaves (written into a numpy array, a row cost ~8 us a round: 0.2% of a
+    plain step of 4 emoji16 images on a CPU, which `ar` does not pay)."""
 
     def __init__(self) -> None:
-        self.rows = np.zeros((256, 4))
-        self.lo = self.hi = 0  # live rows [lo, hi)
+        self.rows: list[tuple[int, float, int, int]] = []
 
     def append(self, round_no: int, ms: float, a: int, tokens: int) -> None:
-        if self.hi == len(self.rows):
-            live = self.rows[self.lo : self.hi]
-            grown = np.zeros((max(256, 2 * len(live)), 4))
-            grown[: len(live)] = live
-            self.rows, self.lo, self.hi = grown, 0, len(live)
-        self.rows[self.hi] = (round_no, ms, a, tokens)
-        self.hi += 1
+        self.rows.append((round_no, ms, a, tokens))
 
     def since(self, round_no: int) -> np.ndarray:
-        live = self.rows[self.lo : self.hi]
-        return live[np.searchsorted(live[:, 0], round_no) :]
+        i = bisect.bisect_left(self.rows, round_no, key=_first)
+        return np.array(self.rows[i:], dtype=np.float64).reshape(-1, 4)
 
     def drop_before(self, round_no: int) -> None:
-        self.lo += int(np.searchsorted(self.rows[self.lo : self.hi, 0], round_no))
+        del self.rows[: bisect.bisect_left(self.rows, round_no, key=_first)]
+
+
+def _first(row: tuple) -> int:
+    return row[0]
 
 
 class RoundLog:
