@@ -57,8 +57,8 @@ SPREAD = 0.12  # the least spread assumed of one comparison's log ratio (a share
 SURE_AFTER = 2  # comparisons before a verdict may be sure, in multiples of `samples`
 SURE = 2.0  # a verdict is sure when its log rate ratio is this many standard errors from a tie
 class Ragged:
-    """Rounds judged against a lockstep batch at mid-image: a drafted round on the rows drafting
-    leaves, a plain step on the rows a wave refilled together would have.
+    """Rounds judged against a lockstep batch: a drafted round on the rows drafting leaves, a plain
+    step on the rows a wave refilled together would have.
 
     Attention reads every cache row up to the longest row. `ar`'s rows grow in lockstep; drafted
     rounds accept different numbers of tokens per slot, the slots then free and refill at
@@ -67,44 +67,36 @@ class Ragged:
     Comparing adjacent rounds cannot see that: a drafted round measured while the batch is still
     in lockstep is spared the spread it starts, and once the rows have spread both kinds pay it.
     So, with `key_ms` the table's cost per key and row (`CostTable.key_ms`), before each round
-    `now(keys, full, ahead)` (the keys its forward reads past a lockstep batch's; `full`: those of
-    rows spread evenly over an image; `ahead`: how many more a lockstep batch reads at mid-image
-    than now):
-    - a drafted round counts `drafted(ms)` = ms + key_ms x (spread - keys + ahead), `spread` the
-      keys met by the drafted rounds of runs, decayed over about an image's drafted rounds (2 / n
-      per round) from `full` (the spread continuous refill reaches); rounds that explore or probe
-      amid plain steps meet rows the plain steps kept together and teach nothing of it;
-    - a plain step counts `plain(ms)` = ms + key_ms x (ahead - keys): what it costs once a wave
-      refills together (`Planner.holds`), which only plain steps allow.
-    Both are read at mid-image (`ahead`): the spread's charge is a fixed number of keys, and
-    against a wave's first steps, which read half the keys of its middle ones, it would weigh
-    twice what it does over the image (at the 32-layer stand-in's B 64, T 0: +96 ms against plain
-    steps of 112-135 ms early in a wave, ~220 ms mid-image). A forward's cost per key and row
-    barely depends on the tokens it carries per row (the stand-in at B 16: 0.0061-0.0065 ms with
-    1 or 2 per row, 0.008-0.009 with 4), so one `key_ms` serves both kinds.
+    `now(keys, full)` (the keys its forward reads past a lockstep batch's; `full`: those of rows
+    spread evenly over an image):
+    - a drafted round counts `drafted(ms)` = ms + key_ms x (spread - keys), `spread` the keys met
+      by the drafted rounds of runs, decayed over about an image's drafted rounds (2 / n per
+      round) from `full` (the spread continuous refill reaches); rounds that explore or probe amid
+      plain steps meet rows the plain steps kept together and teach nothing of it;
+    - a plain step counts `plain(ms)` = ms - key_ms x keys: what it costs once a wave refills
+      together (`Planner.holds`), which only plain steps allow.
     So a batch drafts only where drafting pays on the rows it leaves against plain steps on the
-    rows they keep, over the whole image. A device or batch whose rows cost nothing per key
-    (key_ms 0) is judged as measured; one slot pays no spread (full 0)."""
+    rows they keep. A device or batch whose rows cost nothing per key (key_ms 0; one slot: full
+    0) is judged as measured."""
 
     def __init__(self, key_ms: float, n_tokens: int) -> None:
         self.key_ms, self.decay = key_ms, min(1.0, 2.0 / max(n_tokens, 1))
         self.keys = 0.0  # past a lockstep batch's, before this round
-        self.ahead = 0.0  # a lockstep batch's keys at mid-image less its keys now
         self.spread: float | None = None  # keys drafted rounds leave (None: nothing drafted yet)
 
-    def now(self, keys: float, full: float, ahead: float = 0.0) -> None:
-        self.keys, self.ahead = keys, ahead
+    def now(self, keys: float, full: float) -> None:
+        self.keys = keys
         if self.spread is None:
             self.spread = full
 
     def plain(self, ms: float) -> float:
-        """A plain step's ms as at lockstep and mid-image: less the keys its forward read past a
-        lockstep batch's, plus those it has `ahead` (at least half of it). Plain steps on spread
-        rows pay for the spread drafted rounds left; judged as measured they tie with drafting
-        wherever the rows have spread, and drafting runs on (at emoji16 B 16, T 0 the comparisons' median stayed at 1.00-1.04 while both kinds ran
+        """A plain step's ms as at lockstep: less the keys its forward read past a lockstep batch's
+        (at most half of it). Plain steps on spread rows pay for the spread drafted rounds left;
+        judged as measured they tie with drafting wherever the rows have spread, and drafting runs
+        on (at emoji16 B 16, T 0 the comparisons' median stayed at 1.00-1.04 while both kinds ran
         4-5% dearer per token than `ar`'s steps). Plain steps are what lets a wave refill together
         (`Planner.holds`), so their lockstep cost is what they are worth."""
-        return max(ms + self.key_ms * (self.ahead - self.keys), 0.5 * ms)
+        return max(ms - self.key_ms * self.keys, 0.5 * ms)
 
     def drafted(self, ms: float, learn: bool = True) -> float:
         """learn=False: a round that measures drafting (exploring, a probe) amid plain steps meets
@@ -113,7 +105,7 @@ class Ragged:
         spread = self.keys if self.spread is None else self.spread
         if learn:
             self.spread = spread + self.decay * (self.keys - spread)
-        return max(ms + self.key_ms * (max(spread - self.keys, 0.0) + self.ahead), 0.5 * ms)
+        return ms + self.key_ms * max(spread - self.keys, 0.0)
 
 
 class BatchBudget:

@@ -44,10 +44,10 @@ def _smooth(old: float | None, x: float) -> float:
 
 class RowsJudged:
     """A cost budget's drafted rounds judged on the rows drafting leaves (adt_core/round/budget.py
-    `Ragged`) and its plain steps as at lockstep, both at mid-image: before each round (once the
-    plan is made) the decoder passes `ragged` the cached keys its forward reads beyond a lockstep
-    batch's, those of rows spread evenly over an image, and those a lockstep batch reads more at
-    mid-image than now (`SlotTable.ragged_keys`, read only for planners with `reads_rows`)."""
+    `Ragged`) and its plain steps as at lockstep: before each round (once the plan is made) the
+    decoder passes `ragged` the cached keys its forward reads beyond a lockstep batch's, and those
+    of rows spread evenly over an image (`SlotTable.ragged_keys`, read only for planners with
+    `reads_rows` on rounds the guard measures)."""
 
     reads_rows = True
     judged = True  # whether the next round is measured (`plan` decides; unmeasured rounds skip the rows' read)
@@ -58,8 +58,8 @@ class RowsJudged:
         """The widest tree, in rows with `plan.ROOM` nodes past an image's end (plans fit `Slots.room`)."""
         return roomy(super().extent(config))  # type: ignore[misc]
 
-    def ragged(self, keys: float, full: float, ahead: float = 0.0) -> None:
-        self.rows.now(keys, full, ahead)
+    def ragged(self, keys: float, full: float) -> None:
+        self.rows.now(keys, full)
 
     def fresh_rows(self) -> None:
         """The rows' spread measured anew (at start, and for a narrowed batch)."""

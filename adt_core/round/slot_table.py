@@ -81,29 +81,24 @@ class SlotTable:
         spread = waiting * costs.key_ms * self.r * g * max(self.n - g, 0)
         return idle < spread
 
-    def ragged_keys(self) -> tuple[float, float, float]:
-        """(keys, full, ahead): cached keys the next forward reads in all beyond what a lockstep
-        batch would, as many for rows spread evenly over an image, and how many more a lockstep
-        batch reads at mid-image than now. Attention runs every cache row up to the longest row's
-        length; `ar`'s rows (admitted together, one token each per step) sit at the longest prompt
-        plus the images' common count. keys = cache rows x (longest row - (longest active prompt
-        + the active rows' mean image entries)); full = cache rows x (C - 1) / (C + 1) x half an
-        image's entries (C slots spread evenly: the longest less the mean; 0 for one slot); ahead
-        = cache rows x (half an image's entries - the active rows' mean image entries), negative
-        past mid-image."""
+    def ragged_keys(self) -> tuple[float, float]:
+        """(keys, full): cached keys the next forward reads in all beyond what a lockstep batch
+        would, and as many for rows spread evenly over an image. Attention runs every cache row
+        up to the longest row's length; `ar`'s rows (admitted together, one token each per step)
+        sit at the longest prompt plus the images' common count. keys = cache rows x (longest
+        row - (longest active prompt + the active rows' mean image entries)); full = cache rows
+        x (C - 1) / (C + 1) x half an image's entries (C slots spread evenly: the longest less the
+        mean; 0 for one slot)."""
         c, rows, act = self.capacity, self.cache.rows, self.slots.active
-        half = (self.layout.offset(self.n - 1) + 1) / 2.0
-        full = rows * (c - 1) / (c + 1) * half
         if c == 1:  # one image: its rows grow together
-            return 0.0, 0.0, rows * (half - float(self.cache.host[0] - self.row_base[0])) if act[0] else 0.0
+            return 0.0, 0.0
+        full = rows * (c - 1) / (c + 1) * (self.layout.offset(self.n - 1) + 1) / 2.0
         k = np.count_nonzero(act)
         if not k:
-            return 0.0, full, 0.0
+            return 0.0, full
         base = self.row_base.reshape(self.r, c)  # (cfg rows, C): a slot's rows hold the same image entries
-        entries = float((self.cache.host[:c] - base[0])[act].sum()) / k
-        ahead = rows * (half - entries)
-        lock = int(base[:, act].max()) + entries
-        return rows * max(self.cache.length - lock, 0.0), full, ahead
+        lock = int(base[:, act].max()) + float((self.cache.host[:c] - base[0])[act].sum()) / k
+        return rows * max(self.cache.length - lock, 0.0), full
 
     @torch.inference_mode()
     def admit(self, items: list[tuple[int, str, int]], rows: PromptRows) -> list[Finished]:

@@ -323,28 +323,6 @@ def test_the_spread_drafting_leaves_is_learned_from_drafted_rounds():
     assert r.drafted(4.0) == 4.0
 
 
-def test_rounds_are_judged_as_at_mid_image():
-    """Synthetic clock, 4 slots, 2 cache rows each, an image of 100 keys per row: every forward
-    costs 0.01 ms per key and row more as the image grows (+4 ms at mid-image). Drafted rounds
-    commit 2 tokens per slot for 20 ms at lockstep (+2 ms for the spread they leave), plain steps
-    1 for 10 ms, each plus the keys' cost. Over the image drafting wins: 2 / 26 against 1 / 14
-    per ms at mid-image (1.08x). Judged as measured on a wave's first steps, the spread's fixed
-    charge weighs against steps that cost less (2 / 22 against 1 / 10: 0.91x, plain steps).
-    Read at mid-image, both kinds cost the same wherever in the image they are measured."""
-    from adt_core.round.budget import Ragged
-
-    key_ms, rows, n = 0.01, 8, 100
-    for at in (0, 25, 50, 90):  # image entries per row when the comparisons are made
-        r = Ragged(key_ms, n)
-        r.now(0.0, 200.0, rows * (n / 2 - at))
-        spread = key_ms * rows * at
-        assert r.plain(10.0 + spread) == pytest.approx(10.0 + key_ms * rows * n / 2)
-        assert r.drafted(20.0 + spread, learn=False) == pytest.approx(20.0 + 2.0 + key_ms * rows * n / 2)
-    r = Ragged(key_ms, n)
-    r.now(0.0, 0.0, -rows * n / 2)  # an image's last step: never below half the step measured
-    assert r.plain(1.0) == 0.5
-
-
 def test_plain_steps_far_from_a_probe_are_not_measured():
     """While plain steps win, a plain step is read (the rows' keys, the clock) only within NEAR
     rounds of the next probe of drafting: the probe compares with those alone. The others only
