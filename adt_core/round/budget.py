@@ -5,21 +5,20 @@ cost(A) / A ms. A round that drafts pays the draft levels and a wider verify for
 forward is padded to the widest slot's tree, so keeping m nodes per slot costs
 cost(A (1 + m)) whatever the slots' individual trees. The budget, per round:
 
-1. whether to draft at all (`BatchBudget`): a drafted round must commit tokens faster (EDGE = 1: the
-   better rate, ties to plain steps) than the plain AR steps just before it with about as many slots
-   (a step's cost drifts as images grow and the batch refills; only neighbours compare), in the
-   latest comparisons: their mean tokens ratio over their median time ratio (one slow step on a shared
-   machine must not start a run of losing
-   drafts). Otherwise the round is a plain batched AR step (the drafter is not run, and it is
-   not fed the pairs of plain steps it will not need; it catches up on the last few in one
-   forward when drafting resumes). Slot counts share measurements by power of two. A count
-   with no verdict of its own alternates the two kinds until it has one, unless the nearest
-   measured count says plain steps: then (a draining batch, another decoder of the same
-   Generator) it runs plain steps and is measured by its probes. A verdict for drafting is
-   never borrowed: it must be measured at that count. The losing choice is tried again after
-   `PROBE_EVERY` rounds, the interval doubling (four-fold when the loser is far behind; up to
-   `PROBE_MAX`) while probes confirm the winner, so a change of regime (an easier part of the
-   images, another batch size) is noticed at a small cost.
+1. whether to draft at all (`BatchBudget`): a drafted round must commit tokens faster (EDGE = 1:
+   the better rate, ties to plain steps) than the plain AR steps just before it with about as
+   many slots (a step's cost drifts as images grow and the batch refills; only neighbours
+   compare), in the latest comparisons: their mean tokens ratio over their median time ratio (one
+   slow step on a shared machine must not start a run of losing drafts). Otherwise the round is a
+   plain batched AR step (the drafter is not run, and it is not fed the pairs of plain steps it
+   will not need; it catches up on the last few in one forward when drafting resumes). Slot
+   counts share measurements by power of two. A count with no verdict of its own alternates the
+   two kinds until it has one, unless the nearest measured count says plain steps: then (a
+   draining batch, another decoder of the same Generator) it runs plain steps and is measured by
+   its probes. A verdict for drafting is never borrowed: it must be measured at that count. The
+   losing choice is tried again after `PROBE_EVERY` rounds, the interval doubling (four-fold when
+   the loser is far behind; up to `PROBE_MAX`) while probes confirm the winner, so a change of
+   regime (an easier part of the images, another batch size) is noticed at a small cost.
    This uses the clock because the drafter's real cost per level (bookkeeping, scoring, tree
    building) is what decides; shapes and outputs stay exact either way.
 2. levels and nodes (`CostPlanner`, adt_core/round/cost_plan.py), decided on the host before the round
@@ -52,7 +51,7 @@ EMA = 0.2  # the planner's smoothing of its own estimates (acceptance calibratio
 NEAR = 4  # a round is compared with the other kind's rounds among the NEAR rounds before it
 SAMPLES = 3  # comparisons measured before a bucket has a verdict
 WINDOW = 24  # a bucket's verdict: its latest WINDOW comparisons (`_gain`)
-EDGE = 1.0  # drafting is chosen when its rate ratio (`_gain`) exceeds this (ties: plain steps, which cost what `ar` pays)
+EDGE = 1.0  # drafting is chosen when its rate ratio (`_gain`) exceeds this (ties: plain steps, costing what `ar` pays)
 SPREAD = 0.12  # the least spread assumed of one comparison's log ratio (a shared CPU: +-10-20% per reading)
 SURE_AFTER = 2  # comparisons before a verdict may be sure, in multiples of `samples`
 SURE = 2.0  # a verdict is sure when its log rate ratio is this many standard errors from a tie
@@ -118,12 +117,13 @@ class BatchBudget:
     before it: one comparison is their ratio of mean tokens and their ratio of median ms (drafted /
     plain). A bucket's gain over its latest WINDOW comparisons (`_gain`) is their mean tokens ratio
     over their median time ratio: a round slowed by other work on the machine decides little,
-    while every token counts (the tokens a drafted round commits vary; their median is no mean). A bucket without a verdict alternates the kinds,
-    plain first, until it has `samples` comparisons; afterwards the losing kind runs only as a
-    probe. Near break-even a wrong call costs little and a sure one needs many comparisons: while
-    the median log ratio is within SURE standard errors of a tie (`_sure`), the loser is probed
-    every PROBE_NEAR rounds (a sequential test: the comparisons accumulate until the call is
-    sure); once sure, the probe interval grows to PROBE_MAX. A probe is PROBE_RUN rounds: the
+    while every token counts (the tokens a drafted round commits vary; their median is no mean).
+    A bucket without a verdict alternates the kinds, plain first, until it has `samples`
+    comparisons; afterwards the losing kind runs only as a probe. Near break-even a wrong call
+    costs little and a sure one needs many comparisons: while the log gain is within SURE
+    standard errors of a tie (`_sure`), the loser is probed every PROBE_NEAR rounds (a sequential
+    test: the comparisons accumulate until the call is sure); once sure, the probe interval grows
+    to PROBE_MAX. A probe is PROBE_RUN rounds: the
     first pays the switch, the others are its one comparison."""
 
     def __init__(self, costs: CostTable, cfg: AdaptiveConfig, samples: int = SAMPLES) -> None:
@@ -132,7 +132,8 @@ class BatchBudget:
         # mean tokens, median ms)
         self.verdict: dict[int, bool] = {}  # bucket -> drafting measured faster (once it has `samples` comparisons)
         self.sure: dict[int, bool] = {}  # bucket -> its verdict is SURE standard errors from a tie
-        self.recent: dict[tuple[int, bool], list[tuple[int, int, float]]] = {}  # (bucket, drafted) -> (round, tokens, ms)
+        # (bucket, drafted) -> its latest rounds: (round, tokens, ms)
+        self.recent: dict[tuple[int, bool], list[tuple[int, int, float]]] = {}
         self.round = 0  # rounds measured
         self.since_probe = 0
         self.probe_every = PROBE_EVERY  # doubles while probes confirm the winner, up to PROBE_MAX
@@ -292,7 +293,8 @@ def _sure(ratios: list[tuple[float, float]], samples: int = SAMPLES) -> bool:
     the same side of the tie (three unlucky readings must not settle a near tie; three readings
     of 0.67-0.86 at emoji16 B 64 are no near tie, and probing them as one cost nine drafted
     rounds at a 30% loss)."""
-    logs = np.log(np.maximum(np.asarray([t / max(r, 1e-9) for t, r in ratios], dtype=float), 1e-9)) - np.log(EDGE)
+    rates = np.asarray([t / max(r, 1e-9) for t, r in ratios], dtype=float)
+    logs = np.log(np.maximum(rates, 1e-9)) - np.log(EDGE)
     if samples > 1 and len(ratios) < SURE_AFTER * samples and not (
             len(ratios) >= samples and ((logs > 0).all() or (logs < 0).all())):
         return False
