@@ -123,8 +123,8 @@ class BatchBudget:
     costs little and a sure one needs many comparisons: while the log gain is within SURE
     standard errors of a tie (`_sure`), the loser is probed every PROBE_NEAR rounds (a sequential
     test: the comparisons accumulate until the call is sure); once sure, the probe interval grows
-    to PROBE_MAX. A probe is PROBE_RUN rounds: the
-    first pays the switch, the others are its one comparison."""
+    to PROBE_MAX. A probe is PROBE_RUN rounds: the first pays the switch, the others are its one
+    comparison."""
 
     def __init__(self, costs: CostTable, cfg: AdaptiveConfig, samples: int = SAMPLES) -> None:
         self.costs, self.cfg, self.samples = costs, cfg, samples
@@ -214,8 +214,8 @@ class BatchBudget:
     def observe_round(self, a: int, drafted: bool, ms: float, tokens: int) -> None:
         """A finished round with `a` slots: whether it drafted, its ms, tokens committed."""
         k = self.bucket(a)
-        row = (self.round + 1, tokens, ms)
         self.round += 1
+        row = (self.round, tokens, ms)
         before = self._choice(k)
         probe = before is not None and drafted != before
         span = NEAR

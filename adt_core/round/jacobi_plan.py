@@ -106,7 +106,7 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         round times only while it still ran that many slots: a narrowed tail's are of fewer)."""
         self.gain, self.probe, self.seen = dict(earlier.gain), earlier.probe, dict(earlier.seen)
         self.behind = earlier.behind
-        self._gains = self._chosen = None
+        self._gains_changed()
         if earlier.capacity == self.capacity:
             self.base, self.over, self.rows, self.real = earlier.base, earlier.over, earlier.rows, earlier.real
 
@@ -119,7 +119,8 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         there (emoji16 B 16 at the defaults drafted 10 of its 14 rounds in the first 80 rounds,
         at 0.6 of a plain step's rate, after the warm-up at 4 slots had found that)."""
         if isinstance(other, JacobiPlanner):
-            self.gain, self.seen, self._gains, self._chosen = dict(other.gain), dict(other.seen), None, None
+            self.gain, self.seen = dict(other.gain), dict(other.seen)
+            self._gains_changed()
             if other.behind and other.capacity <= self.capacity:
                 self.behind, self.probe = True, other.probe
 
@@ -151,6 +152,10 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         """Extra tokens of width m under the prior: a chain whose j-th level is accepted w.p. PRIOR^j."""
         return sum(PRIOR ** j for j in range(1, min(m, self.cfg.d_max) + 1))
 
+    def _gains_changed(self) -> None:
+        """`gains` and the choice made from them are computed anew."""
+        self._gains = self._chosen = None
+
     def gains(self) -> np.ndarray:
         """(W,) modelled extra tokens per slot of each width: measured, else the prior scaled by
         the measured widths' median ratio to it (kept until a width's gain is measured again)."""
@@ -173,7 +178,7 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         probes measure drafting again)."""
         if self.real is None and self.behind:
             return 0  # behind at fewer slots (`share`), not yet measured here
-        key = (self.base, self.over, self.real, self.capacity)  # (a gain's change resets `_chosen`)
+        key = (self.base, self.over, self.real, self.capacity)  # (and the gains: `_gains_changed`)
         if self._chosen is None or self._chosen[0] != key:  # (the model runs every round: at B 1 ~20 us of a 3.3 ms
             self._chosen = (key, self._choose())  # emoji16 round, redone only when what it reads changed)
         return self._chosen[1]
@@ -252,7 +257,7 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
             per_slot = float(outcome.accepted.sum()) / max(slots, 1)
             n = self.seen[m] = self.seen.get(m, 0) + 1
             self.gain[m] = _running(self.gain.get(m), per_slot, n)
-            self._gains = self._chosen = None
+            self._gains_changed()
         self._probed()
 
     def _probed(self) -> None:
