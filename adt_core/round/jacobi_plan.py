@@ -6,9 +6,11 @@ budget n = gamma d k. The batch's verify width M (nodes per slot; the forward is
 comes from a model measured on this device and these images:
 
 - tokens a slot commits in a drafted round of width m: 1 + gain[m], measured per width in the
-  warm rounds of a run at that width (a window is as deep as the trees that fill it); an
-  unmeasured width takes a prior (a chain accepted level by level) scaled by the measured
-  widths' median ratio to the prior;
+  warm rounds of a run at that width (a window is as deep as the trees that fill it), plus SURE
+  standard errors of those readings (optimism under uncertainty, as a bandit's upper confidence
+  bound: a width read in a few probe rounds is tried again; the bonus fades as readings
+  accumulate); an unmeasured width takes a prior (a chain accepted level by level) scaled by the
+  measured widths' median ratio to the prior;
 - milliseconds of a round: a plain step's measured ms (`base`) times the cost table's ratio of a
   forward of C (1 + m) tokens to one of C (C the capacity; the ratio made non-decreasing in m),
   plus the measured overhead of a drafted round (scoring, tree building, the carry). Only the
@@ -19,8 +21,11 @@ comes from a model measured on this device and these images:
   batch scales it by the table until measured again.
 
 M is the width bucket with the best modelled rate; the round drafts when that beats a plain
-step's modelled rate by EDGE, and while the drafted rounds as they ran (`real`, the mean of the
-first readings, then an EMA) beat a plain step. Every `probe` rounds a neighbour of the best
+step's modelled rate by EDGE, and until the drafted rounds as they ran (`real`) are SURE standard
+errors behind a plain step (a sequential test: a drafted round's tokens swing 1-5 around ~2, and
+stopping at the first dip, then paying the next probe's cold window, held the stand-in at B 1 at
+1.01-1.07x where every fixed width reached 1.13-1.20x). Readings are slow (SLOW: the mean of the
+first 16, then an EMA). Every `probe` rounds a neighbour of the best
 width (one bucket wider or narrower, in turn) runs RUN rounds, or, while plain steps win, the best
 width SHORT rounds; the interval doubles (to PROBE_MAX) while probes leave the choice as it was,
 so a change (an easier region, fewer images in flight) is noticed. While drafted rounds run at
@@ -44,7 +49,7 @@ import time
 import numpy as np
 
 from adt_core.round.adaptive import AdaptiveGrid, shape_budget
-from adt_core.round.budget import EDGE, EMA
+from adt_core.round.budget import EDGE, EMA, SURE
 from adt_core.calibrate import CostTable
 from adt_core.config import AdaptiveConfig
 from adt_core.round.cost_plan import RowsJudged
@@ -65,6 +70,9 @@ PROBE_SHARE = 0.005  # past PROBE_MAX, a clear loser's probes may cost at most t
 # ~800 rounds; at emoji16 B 16 at the defaults probes every 256 rounds cost ~1.5% of a run)
 JUDGE = 8  # plain steps the model chose are measured (`base`, the rows' read) only this close to a probe: the
 # EMA reads ~5 rounds, and unmeasured ones skip ~70 us of a 4.7 ms plain step at emoji16 B 4 on a CPU
+SLOW = 1 / 16  # a drafted round's weight in `gain`, `real` and `over` past their first 16 readings (the mean of
+# those): a round's extra tokens swing 0-4 around ~1 on the stand-in at B 1 (the defaults), and an EMA of 0.2 let a
+# few cold or unlucky rounds stop drafting that sustained 1.20x (`jacobi@4`) at 1.01-1.07x
 PLAIN_EVERY = 48  # drafted rounds between plain steps that measure `base` while drafting wins
 
 
@@ -78,6 +86,7 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         self.widths = tuple(m for m in WIDTHS if m <= cfg.n_max) or (cfg.n_max,)
         self.gain: dict[int, float] = {}  # width -> measured extra tokens per slot and round
         self.seen: dict[int, int] = {}  # width -> warm rounds measured (the mean of the first 1 / EMA)
+        self.gain2: dict[int, float] = {}  # width -> the same readings squared (their spread)
         self.last, self.same = 0, 0  # the last round's width, and drafted rounds in a row at it
         self.base: float | None = None  # measured ms of a plain step
         self.over: float | None = None  # measured ms of a drafted round beyond base x the table's ratio
@@ -87,6 +96,7 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         self._chosen: tuple | None = None  # (what `choice` read, its width)
         self.real: float | None = None  # drafted rounds' measured tokens per slot and charged ms (smoothed)
         self.reals = 0  # readings in `real`
+        self.real2: float | None = None  # the same readings squared (their spread)
         self.run = 0  # drafted rounds in a row so far
         self.left, self.trying = 0, 0  # probe rounds left, and the probed width
         self.flip = 1  # the next probe's direction
@@ -105,10 +115,12 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         """Start from what an earlier decoder of the same Generator and capacity measured (its
         round times only while it still ran that many slots: a narrowed tail's are of fewer)."""
         self.gain, self.probe, self.seen = dict(earlier.gain), earlier.probe, dict(earlier.seen)
+        self.gain2 = dict(earlier.gain2)
         self.behind = earlier.behind
         self._gains_changed()
         if earlier.capacity == self.capacity:
             self.base, self.over, self.rows, self.real = earlier.base, earlier.over, earlier.rows, earlier.real
+            self.real2, self.reals = earlier.real2, earlier.reals
 
     def share(self, other) -> None:
         """Another capacity's planner of the same Generator: its extra tokens per width are per
@@ -119,7 +131,7 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         there (emoji16 B 16 at the defaults drafted 10 of its 14 rounds in the first 80 rounds,
         at 0.6 of a plain step's rate, after the warm-up at 4 slots had found that)."""
         if isinstance(other, JacobiPlanner):
-            self.gain, self.seen = dict(other.gain), dict(other.seen)
+            self.gain, self.seen, self.gain2 = dict(other.gain), dict(other.seen), dict(other.gain2)
             self._gains_changed()
             if other.behind and other.capacity <= self.capacity:
                 self.behind, self.probe = True, other.probe
@@ -131,6 +143,7 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         f = self.costs.cost(capacity) / max(self.costs.cost(self.capacity), 1e-9)
         self.base, self.over = (None if x is None else x * f for x in (self.base, self.over))
         self.real = None if self.real is None else self.real / f  # tokens per slot and ms
+        self.real2 = None if self.real2 is None else self.real2 / f ** 2
         self.capacity = capacity
         self.fresh_rows()
 
@@ -162,7 +175,8 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         if self._gains is None:
             ratios = sorted(g / self.prior(w) for w, g in self.gain.items())
             scale = ratios[len(ratios) // 2] if ratios else 1.0
-            self._gains = np.array([self.gain.get(w, self.prior(w) * scale) for w in self.widths])
+            up = lambda w: SURE * _se(self.gain[w], self.gain2.get(w), self.seen.get(w, 0))  # noqa: E731
+            self._gains = np.array([self.gain[w] + up(w) if w in self.gain else self.prior(w) * scale for w in self.widths])
         return self._gains
 
     def rates(self) -> tuple[np.ndarray, float]:
@@ -185,10 +199,14 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
 
     def _choose(self) -> int:
         rates, plain = self.rates()
-        if self.real is not None and self.real <= EDGE * plain:
+        if self.real is not None and self.real + SURE * self._real_se() <= EDGE * plain:
             return 0
         i = int(np.argmax(rates))
         return self.widths[i] if rates[i] > EDGE * plain else 0
+
+    def _real_se(self) -> float:
+        """The standard error of `real` (its readings' spread over the readings it holds)."""
+        return 0.0 if self.real is None else _se(self.real, self.real2, self.reals)
 
     def best(self) -> int:
         """The width the model rates best among drafted rounds."""
@@ -249,14 +267,16 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
             amid = bool(self.trying) and self.before == 0  # a probe amid plain steps: a run's rounds teach the spread
             ms = self.rows.drafted(self._cost_ms(round_ms), learn=not amid)  # on the rows drafting leaves
             extra = ms - base * self.ratios()[self.widths.index(m)]  # m: one of the widths (`_pick`)
-            self.over = extra if self.over is None else self.over + EMA * (extra - self.over)
+            self.over = extra if self.over is None else self.over + SLOW * (extra - self.over)
             real = (1 + float(outcome.accepted.sum()) / max(slots, 1)) / max(ms, 1e-6)  # per slot and ms
             self.reals += 1  # (a wave's easy first rounds must not carry a run of losing ones)
-            self.real = _running(self.real, real, self.reals)
+            self.real = _running(self.real, real, self.reals, SLOW)
+            self.real2 = _running(self.real2, real * real, self.reals, SLOW)
         if self.same > WARM:  # a window this width's own rounds filled
             per_slot = float(outcome.accepted.sum()) / max(slots, 1)
             n = self.seen[m] = self.seen.get(m, 0) + 1
-            self.gain[m] = _running(self.gain.get(m), per_slot, n)
+            self.gain[m] = _running(self.gain.get(m), per_slot, n, SLOW)
+            self.gain2[m] = _running(self.gain2.get(m), per_slot * per_slot, n, SLOW)
             self._gains_changed()
         self._probed()
 
@@ -287,7 +307,14 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         self.base = ms if self.base is None else self.base + EMA * (ms - self.base)
 
 
-def _running(old: float | None, x: float, n: int) -> float:
+def _se(mean: float, sq: float | None, n: int) -> float:
+    """The standard error of a running estimate (`_running`) from its readings' mean and mean square."""
+    if sq is None or n < 2:
+        return 0.0
+    return float(np.sqrt(max(sq - mean * mean, 0.0) / n))
+
+
+def _running(old: float | None, x: float, n: int, ema: float = EMA) -> float:
     """The n-th reading x folded into an estimate: the mean of the first 1 / EMA readings, then an EMA."""
     was = x if old is None else old
-    return was + max(EMA, 1.0 / n) * (x - was)
+    return was + max(ema, 1.0 / n) * (x - was)

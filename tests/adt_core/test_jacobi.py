@@ -160,3 +160,57 @@ def test_jacobi_behind_at_fewer_slots_starts_behind_at_more():
     wide.behind, wide.probe = True, 8 * PROBE
     other.share(wide)  # behind at more slots says nothing of fewer
     assert not other.behind and other.probe == PROBE
+
+
+def _width4_rounds(p, tokens, ms: float) -> None:
+    """Drafted rounds of width 4 (one slot) committing `tokens` each (1 + accepted) in `ms`."""
+    import numpy as np
+
+    from adt_core.round.state import RoundOutcome, RoundPlan
+
+    one = lambda v: np.array([v])  # noqa: E731
+    n_max = p.cfg.n_max
+    for t in tokens:
+        outcome = RoundOutcome(one(t - 1), one(2), one(4), np.zeros(3), np.zeros((2, n_max + 1)))
+        p.observe(RoundPlan(2, 2, 4, one(2), one(2), one(4)), outcome, 1, ms, 2.0)
+
+
+def test_jacobi_stops_drafting_only_once_its_drafted_rounds_are_surely_behind():
+    """JacobiPlanner: `real` is a slow estimate (SLOW) with a standard error; drafting stops when
+    it is SURE standard errors below a plain step's rate, not at the first dip (a round's tokens
+    swing 1-5: an EMA of 0.2 stopped drafting that sustained 1.20x on the stand-in at B 1)."""
+    from adt_core.calibrate import CostTable
+    from adt_core.round.adaptive import AdaptiveGrid
+    from adt_core.round.jacobi_plan import JacobiPlanner
+
+    cfg = AdaptiveConfig()
+    p = JacobiPlanner(256, cfg, AdaptiveGrid(1, (16, 16), cfg), CostTable({1: 10.0, 8: 11.0}), capacity=1)
+    p.observe_plain(1, 10.0)  # a plain step: 0.1 tokens per ms
+    losing = [1, 3, 1, 1, 1, 1]  # 1.33 tokens per 15 ms: 0.089 per ms, 11% behind, with a wide spread
+    _width4_rounds(p, [1] + losing, 15.0)  # (a run's first round is not read)
+    favour = lambda: (setattr(p, "gain", {w: 3.0 for w in p.widths}), setattr(p, "gain2", {}), p._gains_changed())  # noqa: E731
+    favour()  # the model says draft
+    assert p.real == pytest.approx(1.33 / 15, rel=0.01) and p.real < 0.1
+    assert p.choice() > 0  # behind, but not surely: six readings of this spread prove little
+    for _ in range(30):
+        _width4_rounds(p, losing, 15.0)
+    favour()
+    assert p.real < 0.1 and p.choice() == 0  # 186 readings: surely behind
+
+
+def test_jacobi_models_a_width_read_few_times_optimistically():
+    """JacobiPlanner.gains: a measured width's extra tokens plus SURE standard errors of its readings
+    (optimism under uncertainty: a width read in a few cold probe rounds is tried again, one read
+    in many rounds is taken at its mean)."""
+    from adt_core.calibrate import CostTable
+    from adt_core.round.adaptive import AdaptiveGrid
+    from adt_core.round.jacobi_plan import SURE, JacobiPlanner
+
+    cfg = AdaptiveConfig()
+    p = JacobiPlanner(256, cfg, AdaptiveGrid(1, (16, 16), cfg), CostTable({1: 10.0, 8: 11.0}), capacity=1)
+    _width4_rounds(p, [1, 1, 1, 3], 15.0)  # two cold rounds, then extra tokens 0 and 2
+    g = dict(zip(p.widths, p.gains()))
+    assert p.gain[4] == 1.0 and g[4] == pytest.approx(1.0 + SURE * 1.0 / 2 ** 0.5)
+    _width4_rounds(p, [1, 3] * 100, 15.0)
+    g = dict(zip(p.widths, p.gains()))
+    assert g[4] - p.gain[4] < 0.2
