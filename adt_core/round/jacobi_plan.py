@@ -21,13 +21,13 @@ comes from a model measured on this device and these images:
   batch scales it by the table until measured again.
 
 M is the width bucket with the best modelled rate; the round drafts when that beats a plain
-step's modelled rate by EDGE, and until the drafted rounds as they ran (`real`) are SURE standard
-errors behind a plain step (a sequential test: a drafted round's tokens swing 1-5 around ~2, and
-stopping at the first dip, then paying the next probe's cold window, held the stand-in at B 1 at
-1.01-1.07x where every fixed width reached 1.13-1.20x). Readings are slow (SLOW: the mean of the
-first 16, then an EMA). Every `probe` rounds a neighbour of the best
-width (one bucket wider or narrower, in turn) runs RUN rounds, or, while plain steps win, the best
-width SHORT rounds; the interval doubles (to PROBE_MAX) while probes leave the choice as it was,
+step's modelled rate by EDGE, and until the drafted rounds as they ran (`real`, from a run's warm
+rounds: the stop is for a run that goes on) are SURE standard errors behind a plain step (a
+sequential test: a drafted round's tokens swing 1-5 around ~2, and stopping at the first dip, then
+paying the next probe's cold window, held the stand-in at B 1 at 1.01-1.07x where every fixed
+width reached 1.13-1.20x). Readings are slow (SLOW: the mean of the first 16, then an EMA). Every
+`probe` rounds a neighbour of the best width (one bucket wider or narrower, in turn) runs RUN
+rounds, or, while plain steps win, the best width SHORT rounds; the interval doubles (to PROBE_MAX) while probes leave the choice as it was,
 so a change (an easier region, fewer images in flight) is noticed. While drafted rounds run at
 under CLEAR of a plain step's rate the interval grows eight-fold and the next probe is SHORT
 rounds, up to PROBE_MAX or, past it, to where the probes cost PROBE_SHARE of the rounds.
@@ -268,10 +268,11 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
             ms = self.rows.drafted(self._cost_ms(round_ms), learn=not amid)  # on the rows drafting leaves
             extra = ms - base * self.ratios()[self.widths.index(m)]  # m: one of the widths (`_pick`)
             self.over = extra if self.over is None else self.over + SLOW * (extra - self.over)
-            real = (1 + float(outcome.accepted.sum()) / max(slots, 1)) / max(ms, 1e-6)  # per slot and ms
-            self.reals += 1  # (a wave's easy first rounds must not carry a run of losing ones)
-            self.real = _running(self.real, real, self.reals, SLOW)
-            self.real2 = _running(self.real2, real * real, self.reals, SLOW)
+            if self.run > WARM:  # (the stop is for a run that goes on: its window is warm)
+                real = (1 + float(outcome.accepted.sum()) / max(slots, 1)) / max(ms, 1e-6)  # per slot and ms
+                self.reals += 1  # (a wave's easy first rounds must not carry a run of losing ones)
+                self.real = _running(self.real, real, self.reals, SLOW)
+                self.real2 = _running(self.real2, real * real, self.reals, SLOW)
         if self.same > WARM:  # a window this width's own rounds filled
             per_slot = float(outcome.accepted.sum()) / max(slots, 1)
             n = self.seen[m] = self.seen.get(m, 0) + 1

@@ -181,13 +181,13 @@ def test_jacobi_stops_drafting_only_once_its_drafted_rounds_are_surely_behind():
     swing 1-5: an EMA of 0.2 stopped drafting that sustained 1.20x on the stand-in at B 1)."""
     from adt_core.calibrate import CostTable
     from adt_core.round.adaptive import AdaptiveGrid
-    from adt_core.round.jacobi_plan import JacobiPlanner
+    from adt_core.round.jacobi_plan import WARM, JacobiPlanner
 
     cfg = AdaptiveConfig()
     p = JacobiPlanner(256, cfg, AdaptiveGrid(1, (16, 16), cfg), CostTable({1: 10.0, 8: 11.0}), capacity=1)
     p.observe_plain(1, 10.0)  # a plain step: 0.1 tokens per ms
     losing = [1, 3, 1, 1, 1, 1]  # 1.33 tokens per 15 ms: 0.089 per ms, 11% behind, with a wide spread
-    _width4_rounds(p, [1] + losing, 15.0)  # (a run's first round is not read)
+    _width4_rounds(p, [1] * WARM + losing, 15.0)  # (a run's first WARM rounds are not read: a cold window)
     favour = lambda: (setattr(p, "gain", {w: 3.0 for w in p.widths}), setattr(p, "gain2", {}), p._gains_changed())  # noqa: E731
     favour()  # the model says draft
     assert p.real == pytest.approx(1.33 / 15, rel=0.01) and p.real < 0.1
