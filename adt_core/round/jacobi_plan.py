@@ -27,8 +27,9 @@ sequential test: a drafted round's tokens swing 1-5 around ~2, and stopping at t
 paying the next probe's cold window, held the stand-in at B 1 at 1.01-1.07x where every fixed
 width reached 1.13-1.20x). Readings are slow (SLOW: the mean of the first 16, then an EMA). Every
 `probe` rounds a neighbour of the best width (one bucket wider or narrower, in turn) runs RUN
-rounds, or, while plain steps win, the best width SHORT rounds; the interval doubles (to PROBE_MAX) while probes leave the choice as it was,
-so a change (an easier region, fewer images in flight) is noticed. While drafted rounds run at
+rounds, or, while plain steps win, the best width SHORT rounds; the interval doubles (to
+PROBE_MAX) while probes leave the choice as it was, so a change (an easier region, fewer images
+in flight) is noticed. While drafted rounds run at
 under CLEAR of a plain step's rate the interval grows eight-fold and the next probe is SHORT
 rounds, up to PROBE_MAX or, past it, to where the probes cost PROBE_SHARE of the rounds.
 
