@@ -29,9 +29,9 @@ width reached 1.13-1.20x). Readings are slow (SLOW: the mean of the first 16, th
 `probe` rounds a neighbour of the best width (one bucket wider or narrower, in turn) runs RUN
 rounds, or, while plain steps win, the best width SHORT rounds; the interval doubles (to
 PROBE_MAX) while probes leave the choice as it was, so a change (an easier region, fewer images
-in flight) is noticed. While drafted rounds run at
-under CLEAR of a plain step's rate the interval grows eight-fold and the next probe is SHORT
-rounds, up to PROBE_MAX or, past it, to where the probes cost PROBE_SHARE of the rounds.
+in flight) is noticed. While drafted rounds run at under CLEAR of a plain step's rate the
+interval grows eight-fold and the next probe is SHORT rounds, up to PROBE_MAX or, past it, to
+where the probes cost PROBE_SHARE of the rounds.
 
 Why not adt's `BatchBudget` verdict: a Jacobi window holds predictions only while rounds verify
 it (a plain step predicts nothing past its root), so one-round alternation would compare drafted
