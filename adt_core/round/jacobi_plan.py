@@ -86,7 +86,7 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         self.costs, self.capacity, self.cpu = costs, capacity, cpu
         self.widths = tuple(m for m in WIDTHS if m <= cfg.n_max) or (cfg.n_max,)
         self.gain: dict[int, float] = {}  # width -> measured extra tokens per slot and round
-        self.seen: dict[int, int] = {}  # width -> warm rounds measured (the mean of the first 1 / EMA)
+        self.seen: dict[int, int] = {}  # width -> warm rounds measured (the mean of the first 1 / SLOW)
         self.gain2: dict[int, float] = {}  # width -> the same readings squared (their spread)
         self.last, self.same = 0, 0  # the last round's width, and drafted rounds in a row at it
         self.base: float | None = None  # measured ms of a plain step
@@ -259,6 +259,7 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
 
     def observe(self, plan: RoundPlan, outcome: RoundOutcome, slots: int, round_ms: float, draft_ms: float) -> None:
         m = plan.nodes
+        per_slot = float(outcome.accepted.sum()) / max(slots, 1)  # extra tokens per slot
         self.run += 1
         self.drafted += 1
         self.same = self.same + 1 if m == self.last else 1
@@ -270,15 +271,11 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
             extra = ms - base * self.ratios()[self.widths.index(m)]  # m: one of the widths (`_pick`)
             self.over = extra if self.over is None else self.over + SLOW * (extra - self.over)
             if self.run > WARM:  # (the stop is for a run that goes on: its window is warm)
-                real = (1 + float(outcome.accepted.sum()) / max(slots, 1)) / max(ms, 1e-6)  # per slot and ms
                 self.reals += 1  # (a wave's easy first rounds must not carry a run of losing ones)
-                self.real = _running(self.real, real, self.reals, SLOW)
-                self.real2 = _running(self.real2, real * real, self.reals, SLOW)
+                self.real, self.real2 = _fold(self.real, self.real2, (1 + per_slot) / max(ms, 1e-6), self.reals)
         if self.same > WARM:  # a window this width's own rounds filled
-            per_slot = float(outcome.accepted.sum()) / max(slots, 1)
             n = self.seen[m] = self.seen.get(m, 0) + 1
-            self.gain[m] = _running(self.gain.get(m), per_slot, n, SLOW)
-            self.gain2[m] = _running(self.gain2.get(m), per_slot * per_slot, n, SLOW)
+            self.gain[m], self.gain2[m] = _fold(self.gain.get(m), self.gain2.get(m), per_slot, n)
             self._gains_changed()
         self._probed()
 
@@ -310,13 +307,15 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
 
 
 def _se(mean: float, sq: float | None, n: int) -> float:
-    """The standard error of a running estimate (`_running`) from its readings' mean and mean square."""
+    """The standard error of a running estimate (`_fold`) from its readings' mean and mean square."""
     if sq is None or n < 2:
         return 0.0
     return float(np.sqrt(max(sq - mean * mean, 0.0) / n))
 
 
-def _running(old: float | None, x: float, n: int, ema: float = EMA) -> float:
-    """The n-th reading x folded into an estimate: the mean of the first 1 / EMA readings, then an EMA."""
-    was = x if old is None else old
-    return was + max(ema, 1.0 / n) * (x - was)
+def _fold(mean: float | None, sq: float | None, x: float, n: int) -> tuple[float, float]:
+    """The n-th reading x folded into a running mean and mean square (`_se` reads both): the mean
+    of the first 1 / SLOW readings, then an EMA of SLOW."""
+    w = max(SLOW, 1.0 / n)
+    mean, sq = x if mean is None else mean, x * x if sq is None else sq
+    return mean + w * (x - mean), sq + w * (x * x - sq)
