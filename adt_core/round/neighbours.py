@@ -43,6 +43,7 @@ class ImagePrior:
         self.follow = torch.zeros(vocab + 1, FOLLOW, dtype=torch.long, device=device)  # (V + 1, F) row V: sink
         self.follow_n = torch.zeros(vocab + 1, FOLLOW, device=device)  # (V + 1, F) counts of each pair
         self.follow_all = torch.zeros(vocab + 1, device=device)  # (V + 1,) counted pairs of each token
+        self.follow_s = torch.full((vocab + 1, FOLLOW), float("-inf"), device=device)  # (V + 1, F) log share
 
     def rate(self) -> torch.Tensor:
         """(3,) pooled P(hit) of the agree, left and above events."""
@@ -57,8 +58,7 @@ class ImagePrior:
         """tok (...) -> the tokens committed right after it most often (..., F) and the log of
         their share of its counted pairs (-inf where none)."""
         t = tok.clamp(0, self.follow.shape[0] - 2)
-        share = self.follow_n[t] / self.follow_all[t, None].clamp(min=1.0)
-        return self.follow[t], share.log()
+        return self.follow[t], self.follow_s[t]
 
     def count_pairs(self, prev: torch.Tensor, nxt: torch.Tensor, ok: torch.Tensor) -> None:
         """Count committed pairs (prev, next), each (C, S), where ok. A pair already held adds to
@@ -93,6 +93,7 @@ class ImagePrior:
         self.follow[qs, slot] = x[by]
         self.follow_n[qs, slot] = n[by]
         self.follow_n[sink], self.follow_all[sink] = 0.0, 0.0
+        self.follow_s = (self.follow_n / self.follow_all[:, None].clamp(min=1.0)).log()
 
 
 class NeighbourOdds:
