@@ -71,6 +71,11 @@ class CostTable:
     # ms a plain step pays per cached key per cache row (its attention's growth with the longest
     # row): what a batch whose rows are ragged pays over one whose rows grow in lockstep (`key_cost`)
     key_ms: float = 0.0
+    # a forward of q new tokens per row pays key_ms x (1 + key_slope x (q - 1)) per cached key per row
+    # (attention reads a row's keys once per block of its queries: at the stand-in's B 64 on a CPU 1.7x
+    # key_ms for 4 queries, not 4x)
+    key_slope: float = 0.0
+    prefix: int = 0  # cached entries per row the forwards in `ms` read (`typical_prefix`; 0: not known)
 
     def ratio(self, n: int) -> float:
         return self.cost(n) / self.ms[min(self.ms)]
@@ -87,13 +92,18 @@ class CostTable:
 
     def to_json(self) -> str:
         return json.dumps({"ms": self.ms, "draft_level_ms": self.draft_level_ms, "draft": self.draft,
-                           "key_ms": self.key_ms}, sort_keys=True)
+                           "key_ms": self.key_ms, "key_slope": self.key_slope, "prefix": self.prefix}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "CostTable":
         d = json.loads(text)
         return cls({int(k): float(v) for k, v in d["ms"].items()}, float(d.get("draft_level_ms", 0.0)),
-                   {int(k): float(v) for k, v in d.get("draft", {}).items()}, float(d.get("key_ms", 0.0)))
+                   {int(k): float(v) for k, v in d.get("draft", {}).items()}, float(d.get("key_ms", 0.0)),
+                   float(d.get("key_slope", 0.0)), int(d.get("prefix", 0)))
+
+    def key_growth(self, q: float) -> float:
+        """ms per cached key per row of a forward with q new tokens per row."""
+        return self.key_ms * (1.0 + self.key_slope * max(q - 1.0, 0.0))
 
 
 def batch_sizes(slots: int, widest: int = 9) -> tuple[int, ...]:
@@ -175,18 +185,33 @@ def measure_target_cost(
     return CostTable(out)
 
 
+WIDE = 5  # new tokens per row of the wider forward `key_costs` times (a tree of 4 nodes a slot)
+
+
 @torch.inference_mode()
 def key_cost(target: Target, rows: int, slots: int, prefix_len: int, longer: int, repeats: int = 3,
-             warmup: int = 1) -> float:
-    """Milliseconds a plain step of `slots` slots pays per cached key per cache row: the step
-    timed on a prefix of `prefix_len` and of `longer` entries (fastest of `repeats` each); the
-    difference over the keys added (never below 0). Attention reads every row up to the longest
-    row's length, so rows at different lengths cost this much per key they lag the longest."""
+             warmup: int = 1, width: int = 1) -> float:
+    """Milliseconds a forward of `width` new tokens per slot over `slots` slots (a plain step:
+    1) pays per cached key per cache row: the forward timed on a prefix of `prefix_len` and of
+    `longer` entries (fastest of `repeats` each); the difference over the keys added (never below
+    0). Attention reads every row up to the longest row's length, so rows at different lengths cost
+    this much per key they lag the longest."""
     if longer <= prefix_len:
         return 0.0
-    t = [measure_target_cost(target, rows, (slots,), prefix_len=p, repeats=repeats, warmup=warmup,
-                             slots=slots).ms[slots] for p in (prefix_len, longer)]
+    n = slots * width
+    t = [measure_target_cost(target, rows, (n,), prefix_len=p, repeats=repeats, warmup=warmup,
+                             slots=slots).ms[n] for p in (prefix_len, longer)]
     return max(0.0, (t[1] - t[0]) / (rows * slots * (longer - prefix_len)))
+
+
+def key_costs(target: Target, rows: int, slots: int, prefix_len: int, longer: int) -> tuple[float, float]:
+    """(key_ms, key_slope) of `CostTable`: a plain step's ms per cached key per row, and its growth per
+    extra new token per row, from a forward of WIDE tokens per slot."""
+    one = key_cost(target, rows, slots, prefix_len, longer)
+    if one <= 0.0:
+        return 0.0, 0.0
+    wide = key_cost(target, rows, slots, prefix_len, longer, width=WIDE)
+    return one, max(wide / one - 1.0, 0.0) / (WIDE - 1)
 
 
 @torch.inference_mode()

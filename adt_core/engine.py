@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
+from dataclasses import replace
 from typing import Iterator
 
 import torch
 
 from adt_core.bundles.bundle import Bundle
-from adt_core.calibrate import (CostTable, Timer, batch_sizes, key_cost, measure_draft_cost, measure_target_cost,
+from adt_core.calibrate import (CostTable, Timer, batch_sizes, key_costs, measure_draft_cost, measure_target_cost,
                                 typical_prefix)
 from adt_core.config import DecodeConfig, SamplingConfig
 from adt_core.results import GenerationResult, PromptFailure, estimate_speedup
@@ -183,18 +184,18 @@ class Generator:
             prefix = typical_prefix(self.prompter)
             table = measure_target_cost(self.bundle.target, rows=self.cfg_rows, sizes=sizes, repeats=3, warmup=1,
                                         slots=self.config.batch_size, prefix_len=prefix)
-            keys = key_cost(self.bundle.target, self.cfg_rows, self.config.batch_size, prefix,
-                            prefix + self.prompter.layout.length // 2) if self.config.batch_size > 1 else 0.0
-            table = CostTable(table.ms, key_ms=keys)
+            keys, slope = key_costs(self.bundle.target, self.cfg_rows, self.config.batch_size, prefix,
+                                    prefix + self.prompter.layout.length // 2) if self.config.batch_size > 1 else (0.0, 0.0)
+            table = CostTable(table.ms, key_ms=keys, key_slope=slope, prefix=prefix)
             if self.bundle.drafter is not None:
                 draft = measure_draft_cost(self.bundle.drafter, self.bundle.target.head, self.sampling.cfg_scale,
                                            self.cfg_rows, sizes, slots=self.config.batch_size, repeats=3,
                                            vocab_size=self.bundle.target.vocab.vocab_size)
                 k0 = self.config.adaptive.k0
-                table = CostTable(table.ms, CostTable({}, 0.0, draft).draft_cost(k0), draft, keys)
+                table = replace(table, draft_level_ms=CostTable({}, 0.0, draft).draft_cost(k0), draft=draft)
             per_model[key] = table
         if not self.config.needs_drafter:  # jacobi: a draft level runs no model (its planner measures its cost)
-            return CostTable(per_model[key].ms, key_ms=per_model[key].key_ms)
+            return replace(per_model[key], draft_level_ms=0.0, draft={})
         return per_model[key]
 
     def use_costs(self, table: CostTable) -> None:

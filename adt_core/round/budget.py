@@ -81,10 +81,12 @@ class Ragged:
     def __init__(self, key_ms: float, n_tokens: int) -> None:
         self.key_ms, self.decay = key_ms, min(1.0, 2.0 / max(n_tokens, 1))
         self.keys = 0.0  # past a lockstep batch's, before this round
+        self.lock = 0.0  # keys a lockstep batch's forward reads, before this round
+        self.count = 0  # the cache rows it read them in
         self.spread: float | None = None  # keys drafted rounds leave (None: nothing drafted yet)
 
-    def now(self, keys: float, full: float) -> None:
-        self.keys = keys
+    def now(self, keys: float, full: float, lock: float = 0.0, count: int = 0) -> None:
+        self.keys, self.lock, self.count = keys, lock, count
         if self.spread is None:
             self.spread = full
 

@@ -58,8 +58,8 @@ class RowsJudged:
         """The widest tree, in rows with `plan.ROOM` nodes past an image's end (plans fit `Slots.room`)."""
         return roomy(super().extent(config))  # type: ignore[misc]
 
-    def ragged(self, keys: float, full: float) -> None:
-        self.rows.now(keys, full)
+    def ragged(self, keys: float, full: float, lock: float = 0.0, count: int = 0) -> None:
+        self.rows.now(keys, full, lock, count)
 
     def fresh_rows(self) -> None:
         """The rows' spread measured anew (at start, and for a narrowed batch)."""

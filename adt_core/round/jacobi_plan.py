@@ -11,14 +11,21 @@ comes from a model measured on this device and these images:
   bound: a width read in a few probe rounds is tried again; the bonus fades as readings
   accumulate); an unmeasured width takes a prior (a chain accepted level by level) scaled by the
   measured widths' median ratio to the prior;
-- milliseconds of a round: a plain step's measured ms (`base`) times the cost table's ratio of a
+- milliseconds of a round: a plain step's ms (`_base`) times the cost table's ratio of a
   forward of C (1 + m) tokens to one of C (C the capacity; the ratio made non-decreasing in m),
-  plus the measured overhead of a drafted round (scoring, tree building, the carry). Only the
-  table's shape is used: it is timed once (on a CPU by this process's CPU time, as the rounds
-  are), and the images' growing rows shift a step's cost since. A decoder's first rounds are
-  plain steps that measure it (the first one's time, holding one-off costs, is not kept), and
-  while drafting wins one plain step every PLAIN_EVERY rounds keeps it measured; a narrowed
-  batch scales it by the table until measured again.
+  corrected for the rows' length (`_context`), plus the measured overhead of a drafted round
+  (scoring, tree building, the carry). Only the table's shape is used: it is timed once (on a
+  CPU by this process's CPU time, as the rounds are) on rows of its `prefix`. A plain step's ms
+  is measured (`base`) and follows the images' growth since at the table's cost per cached key
+  (`key_ms` x the keys a lockstep batch reads): at the stand-in's B 64 on a CPU a plain step
+  grows from ~120 to ~360 ms over an image, and a drafted round of width 3 from ~460 to ~730 ms
+  (its 4 queries a row read each key once per block: 1.7x a plain step's growth, not 4x), so a
+  ratio taken mid-image misreads the early rounds as dear and the late ones as cheap, and an
+  overhead or a drafted rate held in ms, or a plain step read at one length and a drafted round
+  at another, misread drafting by a third. A decoder's first rounds are plain steps that
+  measure it (the first one's time, holding one-off costs, is not kept), and while drafting
+  wins one plain step every PLAIN_EVERY rounds keeps it measured; a narrowed batch scales it by
+  the table until measured again.
 
 M is the width bucket with the best modelled rate; the round drafts when that beats a plain
 step's modelled rate by EDGE, and until the drafted rounds as they ran (`real`, from a run's warm
@@ -89,13 +96,14 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         self.seen: dict[int, int] = {}  # width -> warm rounds measured (the mean of the first 1 / SLOW)
         self.gain2: dict[int, float] = {}  # width -> the same readings squared (their spread)
         self.last, self.same = 0, 0  # the last round's width, and drafted rounds in a row at it
-        self.base: float | None = None  # measured ms of a plain step
-        self.over: float | None = None  # measured ms of a drafted round beyond base x the table's ratio
+        self.base: float | None = None  # measured ms of a plain step, less key_ms x the keys it read (`_base`)
+        self.over: float | None = None  # measured ms of a drafted round beyond the model's forward (`_forward`)
         self.drafted = 0  # drafted rounds since the last plain step
         self._ratio: dict[int, np.ndarray] = {}  # capacity -> (W,) `ratios`
         self._gains: np.ndarray | None = None  # (W,) `gains`, until a gain changes
         self._chosen: tuple | None = None  # (what `choice` read, its width)
-        self.real: float | None = None  # drafted rounds' measured tokens per slot and charged ms (smoothed)
+        self.real: float | None = None  # drafted rounds' measured tokens per slot and charged ms over a plain
+        # step's rate when each ran (smoothed)
         self.reals = 0  # readings in `real`
         self.real2: float | None = None  # the same readings squared (their spread)
         self.run = 0  # drafted rounds in a row so far
@@ -143,9 +151,7 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         the model's prior drafted the narrowed tail's first RUN rounds at a loss where drafting lost)."""
         f = self.costs.cost(capacity) / max(self.costs.cost(self.capacity), 1e-9)
         self.base, self.over = (None if x is None else x * f for x in (self.base, self.over))
-        self.real = None if self.real is None else self.real / f  # tokens per slot and ms
-        self.real2 = None if self.real2 is None else self.real2 / f ** 2
-        self.capacity = capacity
+        self.capacity = capacity  # (`real` is a share of a plain step's rate)
         self.fresh_rows()
 
     # ---- the model ------------------------------------------------------------------------
@@ -159,8 +165,24 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         return self._ratio[c]
 
     def _base(self) -> float:
-        """A plain step's ms: measured, else the cost table's."""
-        return self.base if self.base is not None else self.costs.cost(self.capacity)
+        """A plain step's ms now: measured (with its growth since at key_ms per key a lockstep batch
+        reads), else the cost table's."""
+        if self.base is None:
+            return self.costs.cost(self.capacity)
+        return max(self.base + self.costs.key_ms * self.rows.lock, 1e-3)
+
+    def _forward(self) -> np.ndarray:
+        """(W,) modelled ms of each width's verify forward now: a plain step's (`_base`) times the
+        table's ratio, less what that ratio charges the keys past (or short of) the table's prefix,
+        plus what a forward of 1 + m tokens a row pays for them (`CostTable.key_growth`). A table
+        of unknown prefix, or keys that cost nothing, leave the ratio as it is."""
+        r, c = self.ratios(), self.costs
+        fwd = self._base() * r
+        if c.prefix and c.key_ms and self.rows.count:
+            ahead = self.rows.lock - self.rows.count * c.prefix  # keys a lockstep batch reads past the table's
+            grow = np.array([c.key_growth(1 + w) for w in self.widths]) - c.key_ms * r
+            fwd = np.maximum(fwd + ahead * grow, 0.5 * fwd)
+        return fwd
 
     def prior(self, m: int) -> float:
         """Extra tokens of width m under the prior: a chain whose j-th level is accepted w.p. PRIOR^j."""
@@ -184,7 +206,7 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         """Modelled tokens per ms per slot: (W,) of each width, and of a plain step (one numpy
         pass a round: the planner runs on the host before every round, plain ones included)."""
         base = self._base()
-        return (1 + self.gains()) / np.maximum(base * self.ratios() + (self.over or 0.0), 1e-3), 1.0 / base
+        return (1 + self.gains()) / np.maximum(self._forward() + (self.over or 0.0), 1e-3), 1.0 / base
 
     def choice(self) -> int:
         """The width the model rates best (0: a plain step wins). The model must also be borne
@@ -193,14 +215,14 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         probes measure drafting again)."""
         if self.real is None and self.behind:
             return 0  # behind at fewer slots (`share`), not yet measured here
-        key = (self.base, self.over, self.real, self.capacity)  # (and the gains: `_gains_changed`)
+        key = (self._base(), self.over, self.real, self.capacity)  # (and the gains: `_gains_changed`)
         if self._chosen is None or self._chosen[0] != key:  # (the model runs every round: at B 1 ~20 us of a 3.3 ms
             self._chosen = (key, self._choose())  # emoji16 round, redone only when what it reads changed)
         return self._chosen[1]
 
     def _choose(self) -> int:
         rates, plain = self.rates()
-        if self.real is not None and self.real + SURE * self._real_se() <= EDGE * plain:
+        if self.real is not None and self.real + SURE * self._real_se() <= EDGE:
             return 0
         i = int(np.argmax(rates))
         return self.widths[i] if rates[i] > EDGE * plain else 0
@@ -268,11 +290,11 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
             base = self._base()
             amid = bool(self.trying) and self.before == 0  # a probe amid plain steps: a run's rounds teach the spread
             ms = self.rows.drafted(self._cost_ms(round_ms), learn=not amid)  # on the rows drafting leaves
-            extra = ms - base * self.ratios()[self.widths.index(m)]  # m: one of the widths (`_pick`)
+            extra = ms - self._forward()[self.widths.index(m)]  # m: one of the widths (`_pick`)
             self.over = extra if self.over is None else self.over + SLOW * (extra - self.over)
             if self.run > WARM:  # (the stop is for a run that goes on: its window is warm)
                 self.reals += 1  # (a wave's easy first rounds must not carry a run of losing ones)
-                self.real, self.real2 = _fold(self.real, self.real2, (1 + per_slot) / max(ms, 1e-6), self.reals)
+                self.real, self.real2 = _fold(self.real, self.real2, (1 + per_slot) * base / max(ms, 1e-6), self.reals)
         if self.same > WARM:  # a window this width's own rounds filled
             n = self.seen[m] = self.seen.get(m, 0) + 1
             self.gain[m], self.gain2[m] = _fold(self.gain.get(m), self.gain2.get(m), per_slot, n)
@@ -283,7 +305,7 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         """After a probe's last round: probe less often while the choice stays as it was."""
         if self.left == 0 and self.trying:
             same = self.choice() == self.before
-            ratio = None if self.real is None else self.real * self._base()  # drafted over plain rate
+            ratio = self.real  # drafted over plain rate
             clear = ratio is not None and ratio < CLEAR  # drafting far behind
             cap = max(PROBE_MAX, int(SHORT * (1.0 / max(ratio, 1e-3) - 1.0) / PROBE_SHARE)) if clear else PROBE_MAX
             self.probe = min((8 if clear else 2) * self.probe, cap) if same else PROBE
@@ -302,8 +324,8 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
             return  # the model's plain step far from a probe: `base` is read from those just before one
         if self.plains == 1 and self.base is None:
             return  # a decoder's first plain step pays one-off costs
-        ms = self.rows.plain(self._cost_ms(round_ms))  # as at lockstep
-        self.base = ms if self.base is None else self.base + EMA * (ms - self.base)
+        ms = self.rows.plain(self._cost_ms(round_ms)) - self.costs.key_ms * self.rows.lock  # as at lockstep, less
+        self.base = ms if self.base is None else self.base + EMA * (ms - self.base)  # what its keys cost
 
 
 def _se(mean: float, sq: float | None, n: int) -> float:

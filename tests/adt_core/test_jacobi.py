@@ -83,7 +83,7 @@ def test_jacobi_drafts_only_while_its_drafted_rounds_as_they_ran_beat_a_plain_st
     assert p.choice() > 0
     _width4_rounds(p, [1] * 4, 20.0)  # drafted rounds as they ran: 1 token in 20 ms
     p.gain = {w: 3.0 for w in p.widths}
-    assert p.real == pytest.approx(1 / 20.0) and p.choice() == 0
+    assert p.real == pytest.approx(10.0 / 20.0) and p.choice() == 0  # half a plain step's rate
     p.trying, p.before, p.probe = 4, 0, PROBE  # a probe just ended and confirmed plain steps
     p._probed()
     assert p.probe == 8 * PROBE  # drafted rounds at half a plain step's rate: eight-fold
@@ -111,14 +111,14 @@ def test_jacobi_measures_a_plain_step_first_probes_drafting_briefly_and_keeps_ti
     assert p.base is None and p._pick() == 0
     p.observe_plain(4, 10.0)
     assert p.base == 10.0
-    p.real, p.reals = 0.01, 5  # drafted rounds ran at a tenth of a plain step's rate
+    p.real, p.reals = 0.1, 5  # drafted rounds ran at a tenth of a plain step's rate
     assert p.choice() == 0
     picks = [p._pick() for _ in range(p.probe + SHORT)]
     assert picks[: p.probe - 1] == [0] * (p.probe - 1) and all(picks[p.probe - 1: -1]) and picks[-1] == 0
     assert len(picks) - picks.count(0) == SHORT  # the probe: SHORT drafted rounds
     f = costs.cost(2) / costs.cost(4)
     p.narrow(2)
-    assert p.base == pytest.approx(10.0 * f) and p.real == pytest.approx(0.01 / f) and p.choice() == 0
+    assert p.base == pytest.approx(10.0 * f) and p.real == pytest.approx(0.1) and p.choice() == 0  # (a share)
 
 
 def test_jacobi_behind_at_fewer_slots_starts_behind_at_more():
@@ -181,12 +181,12 @@ def test_jacobi_stops_drafting_only_once_its_drafted_rounds_are_surely_behind():
     _width4_rounds(p, [1] * WARM + losing, 15.0)  # (a run's first WARM rounds are not read: a cold window)
     favour = lambda: (setattr(p, "gain", {w: 3.0 for w in p.widths}), setattr(p, "gain2", {}), p._gains_changed())  # noqa: E731
     favour()  # the model says draft
-    assert p.real == pytest.approx(1.33 / 15, rel=0.01) and p.real < 0.1
+    assert p.real == pytest.approx(1.33 * 10 / 15, rel=0.01) and p.real < 1
     assert p.choice() > 0  # behind, but not surely: six readings of this spread prove little
     for _ in range(30):
         _width4_rounds(p, losing, 15.0)
     favour()
-    assert p.real < 0.1 and p.choice() == 0  # 186 readings: surely behind
+    assert p.real < 1 and p.choice() == 0  # 186 readings: surely behind
 
 
 def test_jacobi_models_a_width_read_few_times_optimistically():

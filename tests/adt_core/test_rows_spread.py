@@ -93,3 +93,40 @@ def test_only_cost_budgets_read_the_rows_spread(monkeypatch):
         calls["n"] = 0
         Generator(bundle, cfg).generate(["a", "b", "c"], [0, 1, 2])
         assert (calls["n"] > 0) == planner_class(cfg).reads_rows == cfg.cost_sized  # eagle2 sized for the device: yes
+
+
+def test_key_costs_measure_a_wider_forwards_growth_and_travel_with_the_table():
+    from adt_core.calibrate import key_costs
+
+    bundle = random_bundle(seed=3, vocab=16, grid=(4, 4))
+    one, slope = key_costs(bundle.target, rows=2, slots=2, prefix_len=8, longer=40)
+    assert one >= 0.0 and slope >= 0.0 and np.isfinite(slope)
+    t = CostTable({1: 2.0}, key_ms=0.25, key_slope=0.2, prefix=40)
+    back = CostTable.from_json(t.to_json())
+    assert (back.key_ms, back.key_slope, back.prefix) == (0.25, 0.2, 40)
+    assert back.key_growth(1) == 0.25 and back.key_growth(4) == pytest.approx(0.25 * 1.6)
+
+
+def test_jacobi_models_each_widths_forward_at_the_rows_length_it_runs_on():
+    """JacobiPlanner._forward: at the table's prefix a width's forward is a plain step's ms times the
+    table's ratio; past it, every key a lockstep batch reads adds `key_growth(1 + m)` to it (a plain
+    step `key_ms`): at the stand-in's B 64 a mid-image ratio read the early rounds as cheap and the
+    late ones as dear. A table of unknown prefix keeps the ratio."""
+    from adt_core.round.adaptive import AdaptiveGrid
+    from adt_core.round.jacobi_plan import JacobiPlanner
+
+    cfg = AdaptiveConfig()
+    table = CostTable({4: 10.0, 8: 14.0, 16: 20.0, 64: 50.0}, key_ms=0.01, key_slope=0.25, prefix=100)
+    p = JacobiPlanner(256, cfg, AdaptiveGrid(4, (16, 16), cfg), table, capacity=4)
+    p.base = 6.0  # a plain step less what its keys cost: 6 + 0.01 x the keys a lockstep batch reads
+    at = lambda entries: (p.rows.now(0.0, 0.0, 8 * entries, 8), p._forward(), p._base())[1:]  # noqa: E731
+    fwd, base = at(100)  # 8 cache rows at the table's prefix
+    assert base == pytest.approx(6.0 + 8) and np.allclose(fwd, base * p.ratios())
+    later, _ = at(150)
+    grow = np.array([table.key_growth(1 + m) for m in p.widths])
+    assert np.allclose(later - fwd, 8 * 50 * grow)
+    from dataclasses import replace
+
+    p.costs = replace(table, prefix=0)
+    fwd, base = at(150)
+    assert np.allclose(fwd, base * p.ratios())
