@@ -13,7 +13,7 @@ comes from a model measured on this device and these images:
   measured widths' median ratio to the prior;
 - milliseconds of a round: a plain step's ms (`_base`) times the cost table's ratio of a
   forward of C (1 + m) tokens to one of C (C the capacity; the ratio made non-decreasing in m),
-  corrected for the rows' length (`_context`), plus the measured overhead of a drafted round
+  corrected for the rows' length (`_forward`), plus the measured overhead of a drafted round
   (scoring, tree building, the carry). Only the table's shape is used: it is timed once (on a
   CPU by this process's CPU time, as the rounds are) on rows of its `prefix`. A plain step's ms
   is measured (`base`) and follows the images' growth since at the table's cost per cached key
