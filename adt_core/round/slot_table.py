@@ -82,22 +82,21 @@ class SlotTable:
         return idle < spread
 
     def ragged_keys(self) -> tuple[float, float, float, int]:
-        """(keys, full, lock, rows): cached keys the next forward reads in all beyond what a lockstep
-        batch would, as many for rows spread evenly over an image, the keys a lockstep batch's forward
-        reads, and the cache rows. Attention runs every cache row up to the longest row's length; `ar`'s rows (admitted
-        together, one token each per step) sit at the longest prompt plus the images' common count.
-        lock = cache rows x (longest active prompt + the active rows' mean image entries); keys =
-        cache rows x the longest row's length - lock; full = cache rows x (C - 1) / (C + 1) x half
-        an image's entries (C slots spread evenly: the longest less the mean; 0 for one slot)."""
+        """(keys, full, lock, rows): cached keys the next forward reads in all beyond what a
+        lockstep batch would, as many for rows spread evenly over an image, the keys a lockstep
+        batch's forward reads, and the cache rows. Attention runs every cache row up to the longest
+        row's length; `ar`'s rows (admitted together, one token each per step) sit at the longest
+        prompt plus the images' common count. lock = cache rows x (longest active prompt + the
+        active rows' mean image entries); keys = cache rows x the longest row's length - lock; full
+        = cache rows x (C - 1) / (C + 1) x half an image's entries (C slots spread evenly: the
+        longest less the mean; 0 for one slot, whose rows grow together)."""
         c, rows, act = self.capacity, self.cache.rows, self.slots.active
+        full = rows * (c - 1) / (c + 1) * (self.layout.offset(self.n - 1) + 1) / 2.0
         k = np.count_nonzero(act)
         if not k:
-            return 0.0, 0.0, 0.0, rows
+            return 0.0, full, 0.0, rows
         base = self.row_base.reshape(self.r, c)  # (cfg rows, C): a slot's rows hold the same image entries
         lock = int(base[:, act].max()) + float((self.cache.host[:c] - base[0])[act].sum()) / k
-        if c == 1:  # one image: its rows grow together
-            return 0.0, 0.0, rows * lock, rows
-        full = rows * (c - 1) / (c + 1) * (self.layout.offset(self.n - 1) + 1) / 2.0
         return rows * max(self.cache.length - lock, 0.0), full, rows * lock, rows
 
     @torch.inference_mode()
