@@ -53,6 +53,9 @@ SAMPLES = 3  # comparisons measured before a bucket has a verdict
 WINDOW = 24  # a bucket's verdict: its latest WINDOW comparisons (`_gain`)
 EDGE = 1.0  # drafting is chosen when its rate ratio (`_gain`) exceeds this (ties: plain steps, costing what `ar` pays)
 SPREAD = 0.12  # the least spread assumed of one comparison's log ratio (a shared CPU: +-10-20% per reading)
+RUN_SPREAD = 0.3  # the spread a run of drafted rounds is assumed to reach before it has run, as a share of `full`
+# (rows spread evenly over an image): a finite job's waves keep it below `full` (the stand-in's B 16 at the defaults,
+# 64 images, `eagle2` drafting every round: 0.37 on average, median 0.28; emoji16's B 16, 256 images: 0.53)
 SURE_AFTER = 2  # comparisons before a verdict may be sure, in multiples of `samples`
 SURE = 2.0  # a verdict is sure when its log rate ratio is this many standard errors from a tie
 class Ragged:
@@ -70,8 +73,11 @@ class Ragged:
     spread evenly over an image):
     - a drafted round counts `drafted(ms)` = ms + key_ms x (spread - keys), `spread` the keys met
       by the drafted rounds of runs, decayed over about an image's drafted rounds (2 / n per
-      round) from `full` (the spread continuous refill reaches); rounds that explore or probe amid
-      plain steps meet rows the plain steps kept together and teach nothing of it;
+      round) from RUN_SPREAD x `full` (what a run reached in a job of a few waves); rounds that
+      explore or probe amid plain steps meet rows the plain steps kept together and teach nothing
+      of it. (The prior was `full`, the spread continuous refill reaches after many waves: at the
+      stand-in's B 64 ~100 ms of a 300-500 ms round, and at its B 16 at the defaults adt's probes
+      read a 1-node tree that won 7-9% as a loser and drafted 1-3% of rounds);
     - a plain step counts `plain(ms)` = ms - key_ms x keys: what it costs once a wave refills
       together (`Planner.holds`), which only plain steps allow.
     So a batch drafts only where drafting pays on the rows it leaves against plain steps on the
@@ -88,7 +94,7 @@ class Ragged:
     def now(self, keys: float, full: float, lock: float = 0.0, count: int = 0) -> None:
         self.keys, self.lock, self.count = keys, lock, count
         if self.spread is None:
-            self.spread = full
+            self.spread = RUN_SPREAD * full
 
     def plain(self, ms: float) -> float:
         """A plain step's ms as at lockstep: less the keys its forward read past a lockstep batch's

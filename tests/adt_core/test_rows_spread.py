@@ -7,6 +7,7 @@ from test_budget import _curves, _planner
 
 from adt_core import AdaptiveConfig, random_bundle
 from adt_core.calibrate import CostTable
+from adt_core.round.budget import RUN_SPREAD
 
 
 def test_a_drafted_round_is_judged_on_the_rows_drafting_leaves():
@@ -35,8 +36,8 @@ def test_a_drafted_round_is_judged_on_the_rows_drafting_leaves():
         return p.guard.verdict[p.guard.bucket(4)]
 
     assert verdict(0.0, 0.0) is True
-    assert verdict(0.0, 300.0) is False  # lockstep rows that drafting would spread
-    assert verdict(300.0, 300.0) is False  # rows already spread: plain steps as at lockstep
+    assert verdict(0.0, 300.0 / RUN_SPREAD) is False  # lockstep rows that drafting would spread
+    assert verdict(300.0, 300.0 / RUN_SPREAD) is False  # rows already spread: plain steps as at lockstep
     assert verdict(300.0, 0.0) is False  # (the spread drafting leaves is learned from its rounds)
     assert CostTable.from_json(CostTable({1: 2.0}, key_ms=0.25).to_json()).key_ms == 0.25
 
@@ -45,10 +46,12 @@ def test_the_spread_drafting_leaves_is_learned_from_drafted_rounds():
     from adt_core.round.budget import Ragged
 
     r = Ragged(key_ms=0.5, n_tokens=20)  # decays by 2 / 20 per drafted round
-    r.now(0.0, 10.0)  # nothing drafted yet: the spread continuous refill reaches is assumed
-    assert r.drafted(4.0) == 4.0 + 0.5 * 10.0 and r.spread == pytest.approx(9.0)
-    r.now(1.0, 10.0)
-    assert r.drafted(4.0, learn=False) == 4.0 + 0.5 * 8.0 and r.spread == pytest.approx(9.0)  # a probe amid plain steps
+    full = 10.0 / RUN_SPREAD
+    r.now(0.0, full)  # nothing drafted yet: what a run of a few waves reaches is assumed
+    assert r.drafted(4.0) == pytest.approx(4.0 + 0.5 * 10.0) and r.spread == pytest.approx(9.0)
+    r.now(1.0, full)
+    assert r.drafted(4.0, learn=False) == pytest.approx(4.0 + 0.5 * 8.0) and r.spread == pytest.approx(9.0)  # a probe
+    # amid plain steps
     r.now(0.0, 10.0)
     assert r.plain(8.0) == 8.0  # a lockstep batch's plain step: as measured
     r.now(6.0, 10.0)
