@@ -5,8 +5,9 @@ batch needs more images) with one Generator holding `batch` images in flight, af
 warm-up that also pays one-off costs (cost-table calibration, neighbour tables). The methods
 of one batch size run together, one round of each in turn, each round's time charged to its
 method (`run_together`): a shared VM's speed drifts by tens of percent over seconds, and
-methods run one after the other would each meet a different machine. Two passes (the second
-with the order reversed), each method keeping its faster one; `--control` adds `ar'`, ar timed
+methods run one after the other would each meet a different machine; each cycle takes them in
+a seeded random order (a fixed one charged a method its place). Two passes (the second with the
+list reversed), each method keeping its faster one; `--control` adds `ar'`, ar timed
 as a method of its own, whose ratio to ar is what the instrument cannot resolve. Reported per
 temperature: images/s, the ratio to `ar` at the same batch size and to the best `ar` cell,
 whether every image equals `ar`'s (greedy and coupled sampling promise it), mean acceptance
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import gc
 import json
+import random
 import statistics
 import time
 from pathlib import Path
@@ -129,16 +131,23 @@ def make_generator(bundle: Bundle, spec: dict, temperature, batch: int, prompts,
     return gen
 
 
-def run_together(gens: dict[str, Generator], prompts, seeds, clock: str = "wall") -> dict[str, dict]:
+def run_together(gens: dict[str, Generator], prompts, seeds, clock: str = "wall",
+                 order_seed: int | None = 0) -> dict[str, dict]:
     """Decode the workload with every Generator at once, one round of each in turn: a round's
     wall and CPU time is charged to its method, so a drift in the machine's speed (other
-    tenants, frequency) lands on all methods alike instead of on whichever ran then."""
+    tenants, frequency) lands on all methods alike instead of on whichever ran then. Each cycle
+    takes the methods in a new order (a permutation drawn from `order_seed`; None: as given): at
+    the stand-in's B 64 on a CPU a method's place in a fixed cycle moved its rate by 6-8% (`ar`
+    and `ar'`, the same code, read 0.824 and 0.775 images/s first and last; docs/adt_tree.md
+    "Where it stands"), so every method takes every place and follows every other alike."""
     its = {m: g.rounds(prompts, seeds) for m, g in gens.items()}
     wall, cpu = dict.fromkeys(gens, 0.0), dict.fromkeys(gens, 0.0)
     results: dict[str, list] = {m: [None] * len(prompts) for m in gens}
     live = list(gens)
+    rng = None if order_seed is None else random.Random(order_seed)
     while live:
-        for m in list(live):
+        cycle = list(live) if rng is None else rng.sample(live, len(live))
+        for m in cycle:
             t0, c0 = time.perf_counter(), time.process_time()
             done = next(its[m], None)
             wall[m] += time.perf_counter() - t0
@@ -205,10 +214,10 @@ def throughput(bundle: Bundle, args, prompts: list[str], seeds: list[int]) -> di
             ps, ss = workload(prompts, seeds, cell_images(b, args.min_images))
             todo = [m for m in methods if f"{temp_s.strip()}|{b}|{m}" not in out["cells"]]
             runs: dict[str, list[dict]] = {m: [] for m in todo}
-            for order in (todo, todo[::-1])[: args.passes]:  # each pass: all methods at once, round by round
+            for i, order in enumerate((todo, todo[::-1])[: args.passes]):  # each pass: all methods at once
                 gens = {m: make_generator(bundle, spec_for(m), temp, b, ps, ss, args.device, args.dtype)
                         for m in order}
-                for m, cell in run_together(gens, ps, ss, getattr(args, "clock", "wall")).items():
+                for m, cell in run_together(gens, ps, ss, getattr(args, "clock", "wall"), order_seed=i).items():
                     runs[m].append(cell)
                 del gens  # the pass's caches go before the next pass's are built (the stand-in at B 64:
                 gc.collect()  # 2.3-2.9 GiB per method; two passes' at once did not fit 24 GB)

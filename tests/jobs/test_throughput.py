@@ -45,11 +45,13 @@ def test_run_together_charges_every_round_to_its_method(monkeypatch):
     monkeypatch.setattr(throughput, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks)),
                                                              process_time=time.process_time))
     rounds = dict.fromkeys(gens, 1)  # each method's rounds + the call that ends it
+    calls: list[str] = []  # the methods in the order their rounds ran
 
     def counted(m, inner):
         def it(prompts, seeds):
             for done in inner(prompts, seeds):
                 rounds[m] += 1
+                calls.append(m)
                 yield done
         return it
 
@@ -59,6 +61,8 @@ def test_run_together_charges_every_round_to_its_method(monkeypatch):
     assert all(c["images"] == 6 for c in cells.values())
     assert {m: c["wall_s"] for m, c in cells.items()} == {m: float(n) for m, n in rounds.items()}  # each round once
     assert cells["adt"]["tokens"] == cells["ar"]["tokens"]
+    cycles = {tuple(calls[i:i + 2]) for i in range(0, 2 * min(rounds.values()) - 2, 2)}  # while both run
+    assert cycles == {("ar", "adt"), ("adt", "ar")}  # each method takes each place (a seeded order per cycle)
     with torch.inference_mode():
         alone = gens["ar"].generate(ps, ss)
     assert [r.tokens.flatten().tolist() for r in alone] == cells["ar"]["tokens"]
