@@ -6,7 +6,8 @@ warm-up that also pays one-off costs (cost-table calibration, neighbour tables).
 of one batch size run together, one round of each in turn, each round's time charged to its
 method (`run_together`): a shared VM's speed drifts by tens of percent over seconds, and
 methods run one after the other would each meet a different machine; each cycle takes them in
-a seeded random order (a fixed one charged a method its place). Two passes (the second with the
+a seeded random order (a fixed one gave each method the same place and predecessor throughout).
+Two passes (the second with the
 list reversed), each method keeping its faster one; `--control` adds `ar'`, ar timed
 as a method of its own, whose ratio to ar is what the instrument cannot resolve. Reported per
 temperature: images/s, the ratio to `ar` at the same batch size and to the best `ar` cell,
@@ -136,10 +137,11 @@ def run_together(gens: dict[str, Generator], prompts, seeds, clock: str = "wall"
     """Decode the workload with every Generator at once, one round of each in turn: a round's
     wall and CPU time is charged to its method, so a drift in the machine's speed (other
     tenants, frequency) lands on all methods alike instead of on whichever ran then. Each cycle
-    takes the methods in a new order (a permutation drawn from `order_seed`; None: as given): at
-    the stand-in's B 64 on a CPU a method's place in a fixed cycle moved its rate by 6-8% (`ar`
-    and `ar'`, the same code, read 0.824 and 0.775 images/s first and last; docs/adt_tree.md
-    "Where it stands"), so every method takes every place and follows every other alike."""
+    takes the methods in a new order (a permutation drawn from `order_seed`; None: as given), so
+    every method takes every place and follows every other alike. With a fixed order, `ar` and
+    `ar'` (the same code) read 0.824 and 0.775 images/s first and last at the stand-in's B 64 on
+    a CPU; shuffled, `ar'` still read 1.07-1.08x of `ar`, so the place was not the whole cause
+    (docs/adt_tree.md "Where it stands")."""
     its = {m: g.rounds(prompts, seeds) for m, g in gens.items()}
     wall, cpu = dict.fromkeys(gens, 0.0), dict.fromkeys(gens, 0.0)
     results: dict[str, list] = {m: [None] * len(prompts) for m in gens}

@@ -49,9 +49,8 @@ def test_the_spread_drafting_leaves_is_learned_from_drafted_rounds():
     full = 10.0 / RUN_SPREAD
     r.now(0.0, full)  # nothing drafted yet: what a run of a few waves reaches is assumed
     assert r.drafted(4.0) == pytest.approx(4.0 + 0.5 * 10.0) and r.spread == pytest.approx(9.0)
-    r.now(1.0, full)
-    assert r.drafted(4.0, learn=False) == pytest.approx(4.0 + 0.5 * 8.0) and r.spread == pytest.approx(9.0)  # a probe
-    # amid plain steps
+    r.now(1.0, full)  # a probe amid plain steps (learn=False):
+    assert r.drafted(4.0, learn=False) == pytest.approx(4.0 + 0.5 * 8.0) and r.spread == pytest.approx(9.0)
     r.now(0.0, 10.0)
     assert r.plain(8.0) == 8.0  # a lockstep batch's plain step: as measured
     r.now(6.0, 10.0)
