@@ -30,6 +30,7 @@ from adt_core.bundles.bundle import Bundle
 from adt_core.calibrate import (CostTable, Timer, batch_sizes, key_costs, measure_draft_cost, measure_target_cost,
                                 typical_prefix)
 from adt_core.config import DecodeConfig, SamplingConfig
+from adt_core.kv_cache import CacheStore
 from adt_core.results import GenerationResult, PromptFailure, estimate_speedup
 from adt_core.round.decoder import BatchDecoder, DecodeSetup
 from adt_core.round.draft import DraftScorer
@@ -59,6 +60,7 @@ class Generator:
         self._relax: Relaxation | None = None
         self._costs: CostTable | None = None
         self._planners: dict = {}  # what each capacity's round planner learned, kept across calls
+        self._store = CacheStore()  # the last decoder's KV caches, taken by the next one of their shape
         # what draws the tokens, picked once: argmax (greedy), fixed Gumbel noise (coupled) or generators
         self.sampler = Sampler.pick(self.sampling, config.sampler, self.vocab.num_codes)
         coupled = self.sampling if self.sampler.kind == "coupled" else None
@@ -94,6 +96,13 @@ class Generator:
             return
         cap = min(self.config.batch_size, len(prompts))
         dec = self.decoder(cap)
+        try:
+            yield from self._run(dec, prompts, seeds)
+        finally:
+            dec.release()
+
+    def _run(self, dec: BatchDecoder, prompts: list[str], seeds: list[int]):
+        cap = dec.capacity
         queue = deque((i, p, int(s)) for i, (p, s) in enumerate(zip(prompts, seeds)))
         ready: list[tuple[int, str, int]] = []  # items encoded ahead (rows[used:] are theirs)
         rows, used = None, 0
@@ -116,13 +125,23 @@ class Generator:
                 dec.narrow()  # the tail: its images go on in fewer slots
             yield done
 
+    def reserve(self, capacity: int) -> None:
+        """Make the caches of a `capacity`-slot decoder now, kept for the next call that holds that
+        many images (a call of at least `batch_size` prompts); the benchmarks reserve before they
+        time, a one-off cost as calibration is."""
+        self.decoder(capacity).release()
+
+    def release(self) -> None:
+        """Drop the caches kept between calls (memory for something else; the next call makes new ones)."""
+        self._store.release()
+
     def decoder(self, capacity: int) -> BatchDecoder:
         """A BatchDecoder of `capacity` slots over this Generator's fixed set-up."""
         self._place_models()
         costs = self.cost_table() if self.config.cost_sized else None
         setup = DecodeSetup(self.bundle, self.config, self.sampler, self.scorer, self.cfg_rows, self.num_tokens,
                             self.device, self.timer, costs, self.relaxation(), self._planners, self.prompter,
-                            self._max_prompt(), self.prior)
+                            self._max_prompt(), self.prior, self._store)
         return BatchDecoder(setup, capacity)
 
     # ---- shared steps -------------------------------------------------------------------

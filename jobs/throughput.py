@@ -2,7 +2,8 @@
 
 Every cell decodes the same prompts and seeds (the prompt file, cycled with new seeds when a
 batch needs more images) with one Generator holding `batch` images in flight, after a
-warm-up that also pays one-off costs (cost-table calibration, neighbour tables). The methods
+warm-up that also pays one-off costs (cost-table calibration, neighbour tables, the full batch's
+KV caches: `Generator.reserve`). The methods
 of one batch size run together, one round of each in turn, each round's time charged to its
 method (`run_together`): a shared VM's speed drifts by tens of percent over seconds, and
 methods run one after the other would each meet a different machine; each cycle takes them in
@@ -129,6 +130,7 @@ def make_generator(bundle: Bundle, spec: dict, temperature, batch: int, prompts,
         kw["temperature"] = temperature
     gen = Generator(bundle, DecodeConfig(**kw))
     gen.generate(prompts[: min(batch, 4)], seeds[: min(batch, 4)])  # warm-up + calibration
+    gen.reserve(batch)  # the full batch's caches, made before the clock runs (first touch: 7 s at the stand-in's B 64)
     return gen
 
 

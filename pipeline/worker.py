@@ -344,6 +344,8 @@ class GeneratorWorker:
                 self._die(e)
             log.warning("baseline for %d prompts failed: %s", len(measured), _describe(e))
             return {}
+        finally:
+            self.baseline.release()  # its caches go before the batch's own are made (the memory plan holds one set)
         wave = lambda i: float(min(cap, n - i // cap * cap))  # noqa: E731 - images in flight in item i's wave
         return {p.prompt_id: (res, wave(i)) for i, (p, res) in enumerate(zip(todo, results)) if p.measured}
 
@@ -352,6 +354,9 @@ class GeneratorWorker:
 
         import torch
 
+        for gen in (self.generator, self.baseline):
+            if gen is not None:
+                gen.release()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

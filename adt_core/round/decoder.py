@@ -27,7 +27,7 @@ images admitted together.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from adt_core.bundles.bundle import Bundle
 from adt_core.calibrate import CostTable, Timer
 from adt_core.config import DecodeConfig
 from adt_core.families.contract import Layout
+from adt_core.kv_cache import CacheStore
 from adt_core.round.adaptive import AdaptiveGrid
 from adt_core.round.draft import BatchDrafter, DraftScorer, StaticLevels
 from adt_core.round.forced import ForcedEol
@@ -69,6 +70,7 @@ class DecodeSetup:
     prompter: object  # the family's Prompter (adt_core/families/contract.py): prompt rows, layout, vocabulary
     max_prompt: int  # the longest prompt row a slot may hold (cache entries before image index 0)
     prior: ImagePrior | None = None  # jacobi: what the images decoded so far say of the next token
+    store: CacheStore = field(default_factory=CacheStore)  # the Generator's caches, kept between its decoders
 
 
 class BatchDecoder(SlotTable):
@@ -102,14 +104,15 @@ class BatchDecoder(SlotTable):
             self.planner.share(setup.planners[min(setup.planners, key=lambda c: abs(c - capacity))])
         setup.planners[capacity] = self.planner
         extent = self.planner.extent(c)  # the one cache-size formula (memory.py plans by it too)
-        self.cache = b.target.new_cache(self.r * capacity, extent.target_len(self.base + span))
+        self.cache = setup.store.take(b.target, self.r * capacity, extent.target_len(self.base + span))
         self.drafter = None
         self.jacobi = c.method == "jacobi"  # the draft source is the target's own window (adt_core/round/jacobi.py)
         if self.planner.drafts and self.jacobi:
             self.drafter = jacobi_window(c, setup, capacity, self.layout.grid_w)
         elif self.planner.drafts:
-            self.drafter = BatchDrafter(b.drafter, b.target.head, self.scale, capacity, self.r,
-                                        extent.drafter_len(self.base + span), setup.scorer, self.seq_pos, self.ids)
+            cache = setup.store.take(b.drafter, self.r * capacity, extent.drafter_len(self.base + span))
+            self.drafter = BatchDrafter(b.drafter, b.target.head, self.scale, capacity, self.r, cache, setup.scorer,
+                                        self.seq_pos, self.ids)
         self.static = c.tree.static_paths if c.method == "static" else None
         self._static_levels: dict[int, StaticLevels] = {}
         self.slots = Slots.empty(capacity, self.n, setup.device)
@@ -118,6 +121,13 @@ class BatchDecoder(SlotTable):
         self.curve_len = c.adaptive.n_max + 1
         self.verify_slot = {"greedy": self._greedy_one, "coupled": self._coupled_one,
                             "rejection": self._sjd_one if self.jacobi else self._rejection_one}[setup.sampler.kind]
+
+    def release(self) -> None:
+        """The decoder is done: its caches go back to the Generator's store for the next one."""
+        self.s.store.give(self.s.bundle.target, self.cache)
+        if isinstance(self.drafter, BatchDrafter):
+            self.s.store.give(self.s.bundle.drafter, self.drafter.cache)
+        self.cache = self.drafter = None
 
     def seq_pos(self, index: torch.Tensor) -> torch.Tensor:
         """Image indices (C, S) of each slot -> their sequence positions (R, S) in each cache row:

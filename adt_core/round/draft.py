@@ -155,13 +155,14 @@ class StaticLevels:
 
 class BatchDrafter:
     def __init__(self, drafter: Drafter, head: Callable, cfg_scale: float, slots: int, cfg_rows: int,
-                 max_len: int, scorer: DraftScorer, seq_pos: Callable[[torch.Tensor], torch.Tensor],
+                 cache: KVCache, scorer: DraftScorer, seq_pos: Callable[[torch.Tensor], torch.Tensor],
                  ids: Callable[[torch.Tensor], torch.Tensor] = lambda codes: codes) -> None:
-        """seq_pos: image indices (C, S) -> sequence positions (R, S) per cache row; ids: codes ->
-        the ids the drafter embeds (the family's ImageVocab.to_id)."""
+        """cache: the drafter's, empty, slots x cfg_rows rows (`drafter.new_cache`); seq_pos: image
+        indices (C, S) -> sequence positions (R, S) per cache row; ids: codes -> the ids the drafter
+        embeds (the family's ImageVocab.to_id)."""
         self.drafter, self.head, self.cfg_scale, self.scorer = drafter, head, cfg_scale, scorer
         self.slots, self.cfg_rows, self.seq_pos, self.ids = slots, cfg_rows, seq_pos, ids
-        self.cache: KVCache = drafter.new_cache(slots * cfg_rows, max_len)
+        self.cache: KVCache = cache
         w = drafter.fc.weight
         self.ring = PairRing(slots, cfg_rows, w.shape[0], w.device, w.dtype)
         self.max_pos = max_position(drafter)  # a position table bounds the drafter's positions
