@@ -307,9 +307,10 @@ class CacheStore:
     def take(self, model, rows: int, max_len: int) -> KVCache:
         """An empty cache of `rows` rows and `max_len` entries for `model` (its `new_cache`)."""
         kept = self._kept.pop(id(model), None)
-        if kept is not None and kept._full[0].shape[1] == rows and kept.max_len == max_len:
-            kept.clear()
-            return kept
+        if kept is not None:
+            kept.clear()  # (the buffers at all their rows again)
+            if (kept.rows, kept.max_len) == (rows, max_len):
+                return kept
         del kept  # another shape: its memory goes before the new cache's is taken
         return model.new_cache(rows, max_len)
 

@@ -3,13 +3,12 @@
 Every cell decodes the same prompts and seeds (the prompt file, cycled with new seeds when a
 batch needs more images) with one Generator holding `batch` images in flight, after a
 warm-up that also pays one-off costs (cost-table calibration, neighbour tables, the full batch's
-KV caches: `Generator.reserve`). The methods
-of one batch size run together, one round of each in turn, each round's time charged to its
-method (`run_together`): a shared VM's speed drifts by tens of percent over seconds, and
-methods run one after the other would each meet a different machine; each cycle takes them in
-a seeded random order (a fixed one gave each method the same place and predecessor throughout).
-Two passes (the second with the
-list reversed), each method keeping its faster one; `--control` adds `ar'`, ar timed
+KV caches: `Generator.reserve`). The methods of one batch size run together, one round of each
+in turn, each round's time charged to its method (`run_together`): a shared VM's speed drifts by
+tens of percent over seconds, and methods run one after the other would each meet a different
+machine; each cycle takes them in a seeded random order (a fixed one gave each method the same
+place and predecessor throughout). Two passes (the second with the list reversed), each method
+keeping its faster one; `--control` adds `ar'`, ar timed
 as a method of its own, whose ratio to ar is what the instrument cannot resolve. Reported per
 temperature: images/s, the ratio to `ar` at the same batch size and to the best `ar` cell,
 whether every image equals `ar`'s (greedy and coupled sampling promise it), mean acceptance

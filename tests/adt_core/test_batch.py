@@ -379,4 +379,3 @@ def test_plain_steps_on_ragged_rows_stage_their_entries_past_the_longest_row_the
     assert cache.length == 15 and cache._nst == 0
     for row in range(3):
         assert_same_entries(cache, row, refs[row], 0, int(cache.host[row]), atol=1e-5, rtol=1e-5)
-
