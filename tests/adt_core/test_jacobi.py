@@ -189,6 +189,33 @@ def test_jacobi_stops_drafting_only_once_its_drafted_rounds_are_surely_behind():
     assert p.real < 1 and p.choice() == 0  # 186 readings: surely behind
 
 
+@pytest.mark.parametrize("before,drafts", [(0.9, True), (0.7, False)])
+def test_jacobi_rechecks_a_near_stop_on_its_next_probe(before, drafts):
+    """JacobiPlanner: after a stop near a tie (`real` >= CLEAR), the next probe amid plain steps
+    counts the earlier estimate as RECHECK readings, so a probe running at 1.3x of a plain step
+    starts drafting again (held at its full count, two readings of 1/16 each left it stopped for
+    the rest of the image); a clear loser's probe moves it as little as before (`behind`)."""
+    from adt_core.calibrate import CostTable
+    from adt_core.round.adaptive import AdaptiveGrid
+    from adt_core.round.jacobi_plan import SHORT, JacobiPlanner
+
+    cfg = AdaptiveConfig()
+    p = JacobiPlanner(256, cfg, AdaptiveGrid(1, (16, 16), cfg), CostTable({1: 10.0, 8: 11.0}), capacity=1)
+    for _ in range(2):
+        p.observe_plain(1, 10.0)  # a plain step: 0.1 tokens per ms (the first holds one-off costs)
+    p.gain, p.gain2 = {w: 3.0 for w in p.widths}, {}
+    p._gains_changed()  # the model says draft
+    p.real, p.real2, p.reals = before, before ** 2 + 1e-4, 200  # drafted rounds ran at `before` of a plain step
+    assert p.choice() == 0
+    while (m := p._pick()) == 0:
+        p.observe_plain(1, 10.0)
+    for i in range(SHORT):  # the probe: 2 tokens per 10 / 1.3 x 2 ms
+        _drafted(p, m, 1, 20.0 / 1.3)
+        if i < SHORT - 1:
+            assert p._pick() == m
+    assert (p.choice() > 0) == drafts and p.behind == (not drafts)
+
+
 def test_jacobi_models_a_width_read_few_times_optimistically():
     """JacobiPlanner.gains: a measured width's extra tokens plus SURE standard errors of its readings
     (optimism under uncertainty: a width read in a few cold probe rounds is tried again, one read
