@@ -12,8 +12,9 @@ keeping its faster one; `--control` adds `ar'`, ar timed
 as a method of its own, whose ratio to ar is what the instrument cannot resolve. Reported per
 temperature: images/s, the ratio to `ar` at the same batch size and to the best `ar` cell,
 whether every image equals `ar`'s (greedy and coupled sampling promise it), mean acceptance
-length and nodes per round, a plain step's ms per image over `ar`'s (what drafted rounds cost the
-plain steps after them: the rows' spread, bookkeeping, the tail's fewer images per step), for the
+length and nodes per round, a full batch's plain step's ms per image over `ar`'s (what drafted
+rounds cost the plain steps after them: the rows' spread, bookkeeping) and the batch's occupancy
+(busy slots per round: the rounds a wave's early finishers left partly empty), for the
 cost budget its ceiling (the tree its planner rates best at
 the verify costs, draft-level ms and acceptance per depth it measured, as a multiple of a plain
 step's rate: what a round with free bookkeeping would reach), and the compute floor: model FLOPs per image over the measured
@@ -108,13 +109,31 @@ def level_ms(rounds) -> float:
     return sum(r.draft_ms for r in drafted) / levels if levels else 0.0
 
 
-def plain_ms(stats) -> float:
-    """Wall ms of a plain step per image in it (each image holds its share of its plain rounds'
-    time, `StepStats.plain_ms`): set beside `ar`'s, what drafted rounds cost the plain steps
-    around them (the rows' spread, bookkeeping) and a drafting method's tail (images left behind
-    step in fewer slots, each paying more of a step); 0.0 when no round was plain."""
+def plain_ms(stats, batch: int) -> float:
+    """Wall ms per image of a plain step with all `batch` slots busy (each image holds its share of
+    a round's time): set beside `ar`'s, what drafted rounds cost the plain steps around them (the
+    rows' spread, bookkeeping); a wave's emptier last rounds are `occupancy`'s. Rounds come from
+    the images' traces (a plain step: no draft time, no nodes); an untraced method (`ar`, whose
+    waves step in lockstep) counts all its plain steps. 0.0 when no such round ran."""
+    rounds = [r for s in stats for r in s.rounds if not r.nodes and not r.draft_ms and r.slots == batch]
+    if rounds:
+        return sum(r.verify_ms for r in rounds) / len(rounds)
+    if any(s.rounds for s in stats):
+        return 0.0
     n = sum(s.plain_rounds for s in stats)
     return sum(s.plain_ms for s in stats) / n if n else 0.0
+
+
+def occupancy(stats, batch: int) -> float | None:
+    """Busy slots per round over `batch`, over every round (a round with a slots appears in a
+    images' traces: it counts 1 / a in each). Below 1.0: the rounds where images that finished
+    early left slots empty (a wave waiting for its slowest image, a narrowed tail). None for an
+    untraced method (`ar`)."""
+    traces = [s.rounds for s in stats if s.rounds]
+    if not traces:
+        return None
+    rounds = sum(1.0 / r.slots for t in traces for r in t)
+    return sum(len(t) for t in traces) / (rounds * batch) if rounds else None
 
 
 def workload(prompts: list[str], seeds: list[int], count: int) -> tuple[list[str], list[int]]:
@@ -167,6 +186,7 @@ def run_together(gens: dict[str, Generator], prompts, seeds, clock: str = "wall"
 
 def summarise(gen: Generator, res: list, wall: float, cpu: float, clock: str) -> dict:
     st = [r.stats for r in res]
+    batch = min(gen.config.batch_size, len(res))  # the decoder's slots (`Generator.rounds`)
     rounds = [x for s in st for x in s.rounds]
     return {
         "images": len(res), "wall_s": wall, "cpu_s": cpu, "clock": clock,
@@ -175,7 +195,8 @@ def summarise(gen: Generator, res: list, wall: float, cpu: float, clock: str) ->
         "nodes_per_round": statistics.mean(r.nodes for r in rounds) if rounds else 0.0,
         "draft_rounds_share": (sum(1 for r in rounds if r.nodes) / len(rounds)) if rounds else 0.0,
         "draft_ms_per_level": level_ms(rounds),
-        "plain_ms_per_image_step": plain_ms(st),
+        "plain_ms_per_image_step": plain_ms(st, batch),
+        "occupancy": occupancy(st, batch),
         "sampler": getattr(gen.sampler, "kind", gen.sampler), "tokens": [r.tokens.flatten().tolist() for r in res],
         "ceiling": ceiling(gen),
     }
@@ -248,7 +269,7 @@ def report(out: dict, methods, batches, temps) -> None:
         best_ar = max(cells[f"{t}|{b}|ar"]["images_per_s"] for b in batches)
         print(f"\ntemperature={t}")
         print(f"{'method':<15}{'batch':>6}{'images/s':>10}{'vs ar@batch':>12}{'vs best ar':>11}{'accept len':>11}"
-              f"{'nodes/rnd':>10}{'drafted':>8}{'ms/level':>9}{'ceiling':>14}{'plain x ar':>11}  equals ar")
+              f"{'nodes/rnd':>10}{'drafted':>8}{'ms/level':>9}{'ceiling':>14}{'plain x ar':>11}{'busy':>6}  equals ar")
         for b in batches:
             ar = cells[f"{t}|{b}|ar"]
             for m in methods:
@@ -262,13 +283,18 @@ def report(out: dict, methods, batches, temps) -> None:
                 print(f"{m:<15}{b:>6}{c['images_per_s']:>10.3f}{c['vs_ar_same_batch']:>11.2f}x{c['vs_best_ar']:>10.2f}x"
                       f"{c['mean_acceptance_length']:>11.2f}{c['nodes_per_round']:>10.1f}{c['draft_rounds_share']:>8.2f}"
                       f"{c.get('draft_ms_per_level', 0.0):>9.2f}{_ceiling(c.get('ceiling')):>14}"
-                      f"{_plain(c['plain_x_ar']):>11}  {c['equals_ar'] if exact else '-'}")
+                      f"{_plain(c['plain_x_ar']):>11}{_busy(c.get('occupancy')):>6}  {c['equals_ar'] if exact else '-'}")
 
 
 def _plain(x: float | None) -> str:
-    """'1.02x': a plain step's ms per image over `ar`'s in the same cell (wall clock, the rounds'
-    own timer); '-' where a method ran no plain step."""
+    """'1.02x': a full batch's plain step's ms per image over `ar`'s in the same cell (wall clock,
+    the rounds' own timer); '-' where a method ran no such step."""
     return "-" if x is None else f"{x:.2f}x"
+
+
+def _busy(x: float | None) -> str:
+    """'0.99': busy slots per round over the batch; '-' for `ar` (untraced; its waves step together)."""
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _ceiling(ce: dict | None) -> str:

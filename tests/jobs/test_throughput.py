@@ -31,10 +31,30 @@ def test_throughput_cells_with_control(tmp_path, capsys):
         assert c["equals_ar"] is True  # greedy at T 0, coupled at the defaults
         if key.endswith("|ar"):  # ar's plain step per image is the unit
             assert c["plain_ms_per_image_step"] > 0 and c["plain_x_ar"] == 1.0
+            assert c["occupancy"] is None  # untraced: its waves step together
         else:  # a method that drafted every round has none to compare
             assert (c["plain_x_ar"] is None) is (c["plain_ms_per_image_step"] == 0.0)
+        if key.endswith("|adt"):
+            assert 0.0 < c["occupancy"] <= 1.0
     printed = capsys.readouterr().out
-    assert "ar'" in printed and "vs ar@batch" in printed and "plain x ar" in printed
+    assert "ar'" in printed and "vs ar@batch" in printed and "plain x ar" in printed and "busy" in printed
+
+
+def test_plain_step_and_occupancy_from_the_images_traces():
+    """A full batch's plain step per image counts only plain rounds with every slot busy; the
+    occupancy counts each round once (a round of a slots sits in a images' traces)."""
+    from adt_core.results import RoundTrace, StepStats
+
+    def trace(nodes, slots, draft_ms, verify_ms):
+        return RoundTrace(0, 1 if nodes else 0, 0, nodes, 0, draft_ms, verify_ms, slots, slots)
+
+    both = [trace(0, 2, 0.0, 5.0), trace(2, 2, 1.0, 6.0), trace(0, 2, 0.0, 5.0)]
+    a = StepStats(rounds=both)
+    b = StepStats(rounds=both + [trace(0, 1, 0.0, 10.0)])  # the wave's last round: b alone
+    assert throughput.plain_ms([a, b], 2) == 5.0  # the emptier round is not a plain step's cost
+    assert throughput.occupancy([a, b], 2) == 7 / 8  # 4 rounds, 7 busy slots of 8
+    untraced = StepStats(plain_rounds=3, plain_ms=12.0)  # `ar`: every plain step
+    assert throughput.plain_ms([untraced], 2) == 4.0 and throughput.occupancy([untraced], 2) is None
 
 
 def test_run_together_charges_every_round_to_its_method(monkeypatch):
