@@ -125,10 +125,10 @@ def plain_ms(stats, batch: int) -> float:
 
 
 def occupancy(stats, batch: int) -> float | None:
-    """Busy slots per round over `batch`, over every round (a round with a slots appears in a
-    images' traces: it counts 1 / a in each). Below 1.0: the rounds where images that finished
-    early left slots empty (a wave waiting for its slowest image, a narrowed tail). None for an
-    untraced method (`ar`)."""
+    """Images per round over `batch`, over every round (a round of a images appears in a images'
+    traces: it counts 1 / a in each). Below 1.0: rounds with fewer images than the batch (a wave
+    waiting for its slowest image with its early finishers' slots empty; a narrowed tail, which
+    computes fewer slots). None for an untraced method (`ar`)."""
     traces = [s.rounds for s in stats if s.rounds]
     if not traces:
         return None
