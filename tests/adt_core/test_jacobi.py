@@ -234,6 +234,29 @@ def test_jacobi_models_a_width_read_few_times_optimistically():
     assert g[4] - p.gain[4] < 0.2
 
 
+def test_jacobi_ranks_widths_by_their_means_and_drafts_on_the_optimistic_rate():
+    """JacobiPlanner.choice: the width is the best by its measured mean; SURE standard errors of
+    optimism only decide whether that width drafts rather than a plain step. A wide width read in a
+    few high-spread rounds (tokens 1 or 5) must not displace a steady narrower one whose mean rate
+    is better (ranked by the optimistic rate, the budget ran 8-11 nodes a round on the stand-in at
+    B 1 at the defaults where width 4 was the best fixed width)."""
+    from adt_core.calibrate import CostTable
+    from adt_core.round.adaptive import AdaptiveGrid
+    from adt_core.round.jacobi_plan import JacobiPlanner
+
+    cfg = AdaptiveConfig()
+    p = JacobiPlanner(256, cfg, AdaptiveGrid(1, (16, 16), cfg), CostTable({1: 10.0, 5: 14.0, 9: 22.0}), capacity=1)
+    p.observe_plain(1, 10.0)
+    p.observe_plain(1, 10.0)  # (the first holds one-off costs) a plain step: 10 ms
+    _width4_rounds(p, [2] * 22, 14.0)  # width 4: gain 1.0, no spread, at the model's own ms
+    for t in [1, 1, 1, 5, 1, 5]:  # width 8: two cold rounds, then gain 0 or 4 (mean 2.0, se 1.0)
+        _drafted(p, 8, t - 1, 22.0)
+    optimistic = dict(zip(p.widths, p.rates()[0]))
+    mean = dict(zip(p.widths, p.rates(optimistic=False)[0]))
+    assert max(optimistic, key=optimistic.get) == 8 and mean[4] > mean[8]  # (ranked by optimism: 8)
+    assert p.best() == max(mean, key=mean.get) != 8 and p.choice() == p.best()
+
+
 def _synthetic_run(scale: float, seed: int, rounds: int = 1000) -> tuple[float, float]:
     """JacobiPlanner on a synthetic clock (one slot): a plain step 10 ms +-20%; a drafted round of
     width m the table's ratio x 10 + 1 ms +-20%, committing 1 + Poisson(scale x g(m)) tokens (at most
