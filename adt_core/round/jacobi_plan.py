@@ -236,11 +236,11 @@ class JacobiPlanner(RowsJudged, ShapePlanner):
         return self._chosen[1]
 
     def _choose(self) -> int:
-        rates, plain = self.rates()
         if self.real is not None and self.real + SURE * self._real_se() <= EDGE:
             return 0
-        i = self.widths.index(self.best())
-        return self.widths[i] if rates[i] > EDGE * plain else 0
+        m = self.best()
+        rates, plain = self.rates()
+        return m if rates[self.widths.index(m)] > EDGE * plain else 0
 
     def _real_se(self) -> float:
         """The standard error of `real` (its readings' spread over the readings it holds)."""
