@@ -44,6 +44,9 @@ PROBE_RUN = 3  # rounds of a probe: its first is not compared (the first of a ki
 PROBE_NEAR = 4 * PROBE_RUN  # while the verdict is not yet sure (a near tie), the loser is probed after this many
 # rounds: a fifth of the rounds (a near tie's gap of a few % costs <1%; half of them, with each switch paying
 # ~8% of a round at B 1, lost 6-9%)
+NEAR_MAX = 4 * PROBE_NEAR  # a near tie still unsure with a full WINDOW of comparisons: its probe interval doubles
+# up to this while the call stays (more comparisons only replace older ones; at emoji16 B 4, T 0 a drafted round costs
+# two plain steps, so probes every PROBE_NEAR rounds drafted a third of the time at a 5-7% loss)
 CLEAR_LOSS = 0.85  # a probe this far behind the winner (rate ratio) backs off four-fold (a synthetic clock with
 # +-30% readings and switches costing 10% of a round: 0.6 lost 2.7% and 3.1% of 1000 rounds where drafting ran
 # at 0.7x and 0.85x of plain steps, 0.85 2.3% and 2.8%)
@@ -130,9 +133,10 @@ class BatchBudget:
     comparisons; afterwards the losing kind runs only as a probe. Near break-even a wrong call
     costs little and a sure one needs many comparisons: while the log gain is within SURE
     standard errors of a tie (`_sure`), the loser is probed every PROBE_NEAR rounds (a sequential
-    test: the comparisons accumulate until the call is sure); once sure, the probe interval grows
-    to PROBE_MAX. A probe is PROBE_RUN rounds: the first pays the switch, the others are its one
-    comparison."""
+    test: the comparisons accumulate until the call is sure), and, once WINDOW of them are in and
+    the call still is not sure, every NEAR_MAX rounds at most (the interval doubling while probes
+    leave the call as it was); once sure, the probe interval grows to PROBE_MAX. A probe is
+    PROBE_RUN rounds: the first pays the switch, the others are its one comparison."""
 
     def __init__(self, costs: CostTable, cfg: AdaptiveConfig, samples: int = SAMPLES) -> None:
         self.costs, self.cfg, self.samples = costs, cfg, samples
@@ -145,6 +149,7 @@ class BatchBudget:
         self.round = 0  # rounds measured
         self.since_probe = 0
         self.probe_every = PROBE_EVERY  # doubles while probes confirm the winner, up to PROBE_MAX
+        self.near_every = PROBE_NEAR  # the probe interval while the call is not sure (`NEAR_MAX`)
         self.probe_run = 0  # rounds of the probe under way so far
         self.probe_rounds: list[tuple[int, int, float]] = []  # its rounds after the first: (round, tokens, ms)
 
@@ -247,7 +252,7 @@ class BatchBudget:
                     self.verdict[k] = _gain(ratios) > EDGE
                     self.sure[k] = _sure(ratios, self.samples)
                     if not self.sure[k]:  # a near tie: the loser is measured again soon
-                        self.probe_every = min(self.probe_every, PROBE_NEAR)
+                        self.probe_every = min(self.probe_every, self.near_every)
         self._remember(k, drafted, row)
         if before is None:
             return
@@ -259,7 +264,9 @@ class BatchBudget:
                 g = _gain(self.ratios[k])
                 grow = 4 if min(g, 1 / max(g, 1e-9)) < CLEAR_LOSS else 2
             if not self.sure.get(k, True):  # a near tie: keep measuring (a wrong call costs little here)
-                self.probe_every = PROBE_NEAR
+                full = len(self.ratios.get(k, ())) >= WINDOW
+                self.near_every = min(2 * self.near_every, NEAR_MAX) if same and full else PROBE_NEAR
+                self.probe_every = self.near_every
             else:
                 self.probe_every = min(grow * max(self.probe_every, PROBE_EVERY // 2), PROBE_MAX) if same else PROBE_EVERY
         else:

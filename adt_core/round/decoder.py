@@ -196,7 +196,7 @@ class BatchDecoder(SlotTable):
         if self.jacobi or self.drafter is None:
             pass
         elif self.planner.feeds_drafter(int(active.sum())):
-            self.drafter.ring.push_one(s.count, hidden[:, 0], new, counts)
+            self.drafter.ring.push_one(position, hidden[:, 0], new, active)
         else:
             self.drafter.ring.skip(active, position + 1)  # pairs up to this one: never fed
         s.write(new[:, None], counts, grow)

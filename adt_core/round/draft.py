@@ -73,9 +73,11 @@ class PairRing:
         self.fed = np.zeros(slots, np.int64)
         self._slot_idx = torch.arange(slots, device=device)
         self._row_idx = torch.arange(slots * cfg_rows, device=device)
+        self._pending: list[tuple[np.ndarray, torch.Tensor, torch.Tensor]] = []  # plain steps' pairs (`push_one`)
 
     def narrow(self, order: np.ndarray, rows: np.ndarray) -> None:
         """Keep slots `order` (n,), cache rows `rows` (n x cfg rows), as 0 .. n - 1 (BatchDecoder.narrow)."""
+        self._flush()
         dev = self.t.device
         self.h = self.h.index_select(0, torch.from_numpy(rows).to(dev))
         self.t = self.t.index_select(0, torch.from_numpy(order).to(dev))
@@ -89,17 +91,32 @@ class PairRing:
 
     def push(self, first: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor) -> None:
         """Pairs first[b] + j (j < counts[b]): hidden (R, P, dim) before each token, tokens (C, P)."""
+        self._flush()
         j = torch.arange(tokens.shape[1], device=tokens.device)
         col = torch.where(j < counts[:, None], (first[:, None] + j) % RING, RING)  # (C, P)
         self.t.scatter_(1, col, tokens)
         rcol = self.rows(col)  # (R, P)
         self.h[torch.arange(self.h.shape[0], device=col.device)[:, None], rcol] = hidden.to(self.h.dtype)
 
-    def push_one(self, index: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor) -> None:
-        """One pair per slot (a plain step): pair index[b] = (hidden (R, dim), tokens[b]) where counts[b] > 0."""
-        col = torch.where(counts > 0, index % RING, RING)  # (C,)
-        self.t[self._slot_idx, col] = tokens
-        self.h[self._row_idx, self.rows(col)] = hidden.to(self.h.dtype)
+    def push_one(self, index: np.ndarray, hidden: torch.Tensor, tokens: torch.Tensor, active: np.ndarray) -> None:
+        """One pair per slot (a plain step): pair index[b] (host (C,), its own copy) = (hidden (R,
+        dim), tokens[b]) where active[b]. Kept as given until the ring is next read or RING of them
+        wait, then stored in one scatter: each store's few indexed writes cost ~0.1 ms, 1.2% of a
+        plain step at emoji16 B 4 on a CPU, paid on every plain step of a batch that may draft soon."""
+        self._pending.append((np.where(active, index % RING, RING), hidden, tokens))
+        if len(self._pending) >= RING:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Store the plain steps' pairs (`push_one`) in order: a slot's index grows by one per step it
+        takes, so within RING steps no two of its pairs share a column (the sink RING takes the rest)."""
+        if not self._pending:
+            return
+        cols, hidden, tokens = zip(*self._pending)
+        self._pending = []
+        col = torch.from_numpy(np.stack(cols, 1)).to(self.t.device)  # (C, S)
+        self.t[self._slot_idx[:, None], col] = torch.stack(tokens, 1)
+        self.h[self._row_idx[:, None], self.rows(col)] = torch.stack(hidden, 1).to(self.h.dtype)  # (R, S, dim)
 
     def skip(self, slots: np.ndarray, count: np.ndarray) -> None:
         """Pairs of `slots` (bool (C,)) below `count` (C,) will never be fed (a run of plain steps
@@ -114,6 +131,7 @@ class PairRing:
     def gather(self, lo: torch.Tensor, n: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Pairs lo[b] .. lo[b] + n[b] - 1, left-aligned and padded to `width`: hidden (R, width,
         dim), tokens (C, width)."""
+        self._flush()
         j = torch.arange(width, device=lo.device)
         col = torch.where(j < n[:, None], (lo[:, None] + j) % RING, RING)  # (C, width)
         rcol = self.rows(col)

@@ -186,3 +186,36 @@ def test_skipped_pairs_are_never_fed_and_outputs_stay_exact(monkeypatch):
         plain = sum(r.stats.target_forwards for r in res)  # an upper bound on plain steps
         assert 0 < stores["n"] < plain / 2  # only the steps right before a drafting round stored pairs
         assert sum(r.stats.draft_tokens for r in res) > 0
+
+
+def test_plain_steps_pairs_stored_late_read_as_stored_at_once():
+    """`PairRing.push_one` keeps a plain step's pair until the ring is read (or RING wait): what a
+    catch-up gathers, after plain steps with slots idle, a drafted round's pairs and a slot that
+    restarts, equals each pair stored when it was made."""
+    from adt_core.round.draft import RING, PairRing
+
+    gen = torch.Generator().manual_seed(0)
+    late, now = PairRing(3, 2, 4, "cpu", torch.float32), PairRing(3, 2, 4, "cpu", torch.float32)
+    count = np.array([0, 5, 9])
+    for step in range(2 * RING + 7):
+        hidden, tokens = torch.randn(6, 4, generator=gen), torch.randint(0, 99, (3,), generator=gen)
+        active = np.array([True, step % 3 != 0, step < RING + 4])
+        if step == 20:  # a drafted round: two pairs per active slot, stored at once by both
+            counts = torch.from_numpy(active.astype(np.int64) * 2)
+            h2, t2 = torch.randn(6, 2, 4, generator=gen), torch.randint(0, 99, (3, 2), generator=gen)
+            for ring in (late, now):
+                ring.push(torch.from_numpy(count), h2, t2, counts)
+            count = count + counts.numpy()
+            continue
+        if step == 26:  # slot 0 starts a new image: its pairs restart at 0
+            count[0] = 0
+        late.push_one(count.copy(), hidden, tokens, active)
+        col = torch.from_numpy(np.where(active, count % RING, RING))  # each pair stored as it is made
+        now.t[now._slot_idx, col] = tokens
+        now.h[now._row_idx, now.rows(col)] = hidden
+        count = count + active
+        if step in (11, 2 * RING + 6):  # (17 plain steps since the drafted round: one store at RING)
+            lo = torch.from_numpy(np.maximum(count - RING, 0))
+            n = torch.from_numpy(count) - lo
+            a, b = late.gather(lo, n, RING), now.gather(lo, n, RING)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), step

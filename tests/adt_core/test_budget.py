@@ -326,3 +326,31 @@ def test_measured_bookkeeping_is_amortised_by_deeper_trees():
     assert p.over == pytest.approx((40.0 - costs.cost(5) - 8.0) / grows) and p.level_ms == pytest.approx(4.0)
     p.observe_plain(1, 13.0)
     assert p.plain_over == pytest.approx(3.0) and p.plain_ms() == pytest.approx(13.0)
+
+
+def test_a_near_tie_still_unsure_with_a_full_window_is_probed_less_often():
+    """Drafting within a few % of plain steps on a noisy clock stays unsure (`_sure`) however long
+    it runs: once WINDOW comparisons are in, each probe that leaves the call as it was doubles the
+    interval up to NEAR_MAX (more comparisons only replace older ones), and a probe that changes
+    the call starts over at PROBE_NEAR."""
+    import numpy as np
+
+    from adt_core.round.budget import NEAR_MAX, PROBE_NEAR, WINDOW
+
+    unsure = 0
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        b = BatchBudget(CostTable({1: 10.0}), AdaptiveConfig())
+        intervals, probes = [], 0
+        for _ in range(3000):
+            d = b.worth_drafting(4)
+            probes += b.verdict.get(3) is not None and d != b.verdict[3]  # a round of the losing kind
+            ms = (20.0 / 0.97 if d else 10.0) * rng.uniform(0.85, 1.15)  # drafting: 2 tokens a slot at 0.97x
+            b.observe_round(4, d, ms, 8 if d else 4)
+            intervals.append(b.probe_every)
+        if not b.sure[3]:  # (a run may still settle it: then probes back off to PROBE_MAX)
+            unsure += 1
+            assert len(b.ratios[3]) == WINDOW and PROBE_NEAR in intervals and NEAR_MAX in intervals
+            assert max(intervals[-500:]) == NEAR_MAX
+        assert probes < 3000 * 0.1, seed  # every PROBE_NEAR rounds, a probe of PROBE_RUN rounds: a fifth of them
+    assert unsure >= 2
