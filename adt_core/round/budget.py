@@ -251,8 +251,9 @@ class BatchBudget:
                 if len(ratios) >= self.samples:
                     self.verdict[k] = _gain(ratios) > EDGE
                     self.sure[k] = _sure(ratios, self.samples)
-                    if not self.sure[k]:  # a near tie: the loser is measured again soon
-                        self.probe_every = min(self.probe_every, self.near_every)
+                    if not self.sure[k]:  # a near tie: the loser is measured again soon (`NEAR_MAX`)
+                        near = self.near_every if len(ratios) >= WINDOW else PROBE_NEAR
+                        self.probe_every = min(self.probe_every, near)
         self._remember(k, drafted, row)
         if before is None:
             return
