@@ -333,8 +333,6 @@ def test_a_near_tie_still_unsure_with_a_full_window_is_probed_less_often():
     it runs: once WINDOW comparisons are in, each probe that leaves the call as it was doubles the
     interval up to NEAR_MAX (more comparisons only replace older ones), and a probe that changes
     the call starts over at PROBE_NEAR."""
-    import numpy as np
-
     from adt_core.round.budget import NEAR_MAX, PROBE_NEAR, WINDOW
 
     unsure = 0
