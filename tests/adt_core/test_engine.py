@@ -54,6 +54,22 @@ def test_ar_batch_equals_single():
         assert torch.equal(a.tokens, b.tokens)
 
 
+def test_images_are_decoded_one_at_a_time_and_equal_across_batch_sizes(monkeypatch):
+    """A wave that finishes together is VQ-decoded image by image: the memory plan holds one
+    image's decode, and a decoder's convolutions are not batch-invariant, so decoding a wave
+    together would make an image's bytes depend on the images beside it."""
+    bundle = random_bundle(seed=2, vocab=32, grid=(4, 4))
+    sizes = []
+    decode = type(bundle.vq).decode
+    monkeypatch.setattr(type(bundle.vq), "decode", lambda self, t: sizes.append(t.shape[0]) or decode(self, t))
+    g = Generator(bundle, DecodeConfig(method="ar", batch_size=3, temperature=1.0, top_k=10, cfg_scale=3.0))
+    batch = g.generate(PROMPTS, [5, 6, 7])  # one wave of three, finishing in the same round
+    assert sizes == [1, 1, 1]
+    one = Generator(bundle, DecodeConfig(method="eagle2", batch_size=1, temperature=1.0, top_k=10, cfg_scale=3.0))
+    for a, b in zip(batch, one.generate(PROMPTS, [5, 6, 7])):
+        assert torch.equal(a.tokens, b.tokens) and np.array_equal(a.image, b.image)
+
+
 def test_prompts_are_encoded_a_batch_at_a_time_while_slots_refill_one_by_one():
     """Slots of a drafting method finish at different rounds and refill a few at a time; the
     prompts are still encoded `batch_size` at once (the encoder's cost per prompt falls with
