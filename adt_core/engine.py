@@ -174,13 +174,13 @@ class Generator:
         depend on which images finished with it: a VQ decoder's convolutions are not batch-invariant
         (emoji16 on a CPU: 64 images decoded together differed from each decoded alone by 1 in 13
         channel values; 4 or 8 together in 5), so `ar`'s waves and a speculative method's one-by-one
-        finishes gave the same tokens but not the same bytes. On a CPU it is no slower past a few
-        images (emoji16, one thread: 26 ms an image alone, 19 in groups of 8, 37 in a group of 64)."""
+        finishes gave the same tokens but not the same bytes. On a CPU (emoji16, one thread) an image
+        alone takes 26 ms, 19 ms each in groups of 8 and 37 ms each in a group of 64."""
         if not done:
             return
         h, w = self.layout.grid_h, self.layout.grid_w
         grid = torch.stack([d.tokens for d in done]).view(-1, h, w)
-        # (n, H*f, W*f, 3) uint8
+        # n x (H*f, W*f, 3) uint8
         images = [self.bundle.vq.decode(grid[i:i + 1].to(self.device)).cpu().numpy()[0] for i in range(len(done))]
         costs = self.cost_table() if self.config.method != "ar" else None
         for i, d in enumerate(done):
