@@ -206,7 +206,9 @@ def ceiling(gen: Generator) -> dict | None:
     """The cost table's ceiling for a cost-budget method's fullest batch: the tree its planner
     rates best at what it measured (verify cost per width, draft ms per level, acceptance per
     depth) and that rate over a plain step's, bookkeeping not counted, with what it was rated on
-    (the cost table, draft ms per level) and the measured bookkeeping; None for other methods."""
+    (the cost table, draft ms per level), the measured bookkeeping, and the model checked out of
+    sample (`forecast`: the tokens and ms it expected of each drafted round it sized, before the
+    round ran, against what the round committed and cost); None for other methods."""
     planners = {c: p for c, p in gen._planners.items() if hasattr(p, "ceiling")}
     if not planners:
         return None
@@ -214,7 +216,8 @@ def ceiling(gen: Generator) -> dict | None:
     d, m, x = p.ceiling()
     return {"levels": d, "nodes": m, "x_plain": x, "table": json.loads(p.costs.to_json()),
             "level_ms": p.level_ms, "over_ms": p.over, "plain_over_ms": p.plain_over,
-            "accepted": {d: round(float(c[-1]), 3) for d, c in sorted(p.curves.items())}}
+            "accepted": {d: round(float(c[-1]), 3) for d, c in sorted(p.curves.items())},
+            "forecast": p.forecasts.as_dict()}
 
 
 def throughput(bundle: Bundle, args, prompts: list[str], seeds: list[int]) -> dict:
@@ -269,7 +272,8 @@ def report(out: dict, methods, batches, temps) -> None:
         best_ar = max(cells[f"{t}|{b}|ar"]["images_per_s"] for b in batches)
         print(f"\ntemperature={t}")
         print(f"{'method':<15}{'batch':>6}{'images/s':>10}{'vs ar@batch':>12}{'vs best ar':>11}{'accept len':>11}"
-              f"{'nodes/rnd':>10}{'drafted':>8}{'ms/level':>9}{'ceiling':>14}{'plain x ar':>11}{'busy':>6}  equals ar")
+              f"{'nodes/rnd':>10}{'drafted':>8}{'ms/level':>9}{'ceiling':>14}{'model tok/ms':>13}{'plain x ar':>11}"
+              f"{'busy':>6}  equals ar")
         for b in batches:
             ar = cells[f"{t}|{b}|ar"]
             for m in methods:
@@ -282,7 +286,7 @@ def report(out: dict, methods, batches, temps) -> None:
                 c["plain_x_ar"] = mine / ref if mine and ref else None
                 print(f"{m:<15}{b:>6}{c['images_per_s']:>10.3f}{c['vs_ar_same_batch']:>11.2f}x{c['vs_best_ar']:>10.2f}x"
                       f"{c['mean_acceptance_length']:>11.2f}{c['nodes_per_round']:>10.1f}{c['draft_rounds_share']:>8.2f}"
-                      f"{c.get('draft_ms_per_level', 0.0):>9.2f}{_ceiling(c.get('ceiling')):>14}"
+                      f"{c.get('draft_ms_per_level', 0.0):>9.2f}{_ceiling(c.get('ceiling')):>14}{_forecast(c.get('ceiling')):>13}"
                       f"{_plain(c['plain_x_ar']):>11}{_busy(c.get('occupancy')):>6}  {c['equals_ar'] if exact else '-'}")
 
 
@@ -300,6 +304,16 @@ def _busy(x: float | None) -> str:
 def _ceiling(ce: dict | None) -> str:
     """'1.71x (3x6)': the modelled best tree's rate over a plain step's, and its levels x nodes."""
     return "-" if not ce else f"{ce['x_plain']:.2f}x ({ce['levels']}x{ce['nodes']})"
+
+
+def _forecast(ce: dict | None) -> str:
+    """'1.07/0.98': over the drafted rounds a cost model sized, the tokens they committed over the
+    tokens it expected, and their measured ms over its expected ms (out of sample: each expectation
+    made before its round); '-' without such rounds."""
+    f = (ce or {}).get("forecast") or {}
+    if not f.get("rounds"):
+        return "-"
+    return f"{f['tokens_ratio']:.2f}/{f['ms_ratio']:.2f}"
 
 
 def chart(out: dict, methods, batches, png: str) -> None:

@@ -29,7 +29,7 @@ from adt_core.config import EAGLE2_TREE, AdaptiveConfig, DecodeConfig
 from adt_core.round.adaptive import AdaptiveGrid
 from adt_core.round.budget import EMA, BatchBudget, Ragged
 from adt_core.round.plan import WIDTHS, Planner, ShapePlanner, bucket, fed, fit, roomy
-from adt_core.round.state import Extent, RoundOutcome, RoundPlan, Slots
+from adt_core.round.state import Extent, Forecasts, RoundOutcome, RoundPlan, Slots
 
 PRIOR = 0.7  # before any drafted round: the assumed acceptance of a draft level, per level
 VETO = 0.8  # a plan the model rates below this fraction of a plain step's rate is not tried (but probed)
@@ -106,6 +106,8 @@ class CostPlanner(RowsJudged, ShapePlanner):
         self.drafted = 0  # drafted rounds observed
         self.seen: set[bool] = set()  # kinds of round seen once (the first of each pays one-off costs)
         self._sized: dict[tuple[int, int], tuple[int, int, float]] = {}  # (slots, width) -> `size`, until it changes
+        self.forecasts = Forecasts()  # the model's claim for each drafted round against the round
+        self._expects: tuple[float, float] | None = None  # this round's, made in `plan`
         self.fresh_rows()  # drafted rounds judged on the rows they leave
 
     @classmethod
@@ -118,6 +120,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
         self.hits, self.conf = earlier.hits, earlier.conf
         self.level_ms, self.drafted, self.seen = earlier.level_ms, earlier.drafted, earlier.seen
         self.rows, self.over, self.plain_over = earlier.rows, earlier.over, earlier.plain_over
+        self.forecasts = earlier.forecasts
 
     def share(self, other: "Planner") -> None:
         if isinstance(other, CostPlanner):
@@ -144,6 +147,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
 
     def plan(self, slots: Slots) -> RoundPlan | None:
         a = int(slots.active.sum())
+        self._expects = None
         self.judged = self.guard.judges(a)
         if self.judged:
             self._c0 = time.process_time() * 1000.0
@@ -157,6 +161,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
         if sized is None:
             return None
         levels, m, rate = sized
+        self._expects = self.expects(a, width, levels, m)  # the sizing's claim for this plan
         d = np.minimum(d, levels)
         # no level keeps more than m nodes, and a node outside its level's m best has m better
         # nodes above each descendant: expanding more than m per level drafts what is never kept
@@ -259,6 +264,15 @@ class CostPlanner(RowsJudged, ShapePlanner):
                 expected = a * expected_at[min(m, len(expected_at) - 1)]
                 yield d, m, (a + expected) / (self._fwd(m) + draft + over * self._grows(m))
 
+    def expects(self, a: int, width: int, levels: int, m: int) -> tuple[float, float] | None:
+        """(tokens, ms) the model expects of a round of `levels` levels of `width` and m nodes on
+        `a` slots, as `_rates` rates it (bookkeeping included); None for a depth not learned yet."""
+        expected_at = dict(self.expected()).get(levels)
+        if expected_at is None:
+            return None
+        tokens = a * (1.0 + expected_at[min(m, len(expected_at) - 1)])
+        return tokens, self._fwd(m) + levels * self._level_cost(a, width) + (self.over or 0.0) * self._grows(m)
+
     def ceiling(self) -> tuple[int, int, float]:
         """(D, M, x): the tree the model rates best for a full batch at what it has measured (the
         cost table, the draft level's ms, acceptance per depth), and that rate over a plain
@@ -278,6 +292,8 @@ class CostPlanner(RowsJudged, ShapePlanner):
         if not self._warm(True):
             return  # the first drafted round's time holds one-off costs
         self.drafted += 1
+        if self._expects is not None:  # made before this round: out of sample
+            self.forecasts.add(self._expects, slots + accepted, cost)
         draft_ms *= cost / max(round_ms, 1e-6)  # the draft share of the round, on the same clock
         charged = self.rows.drafted(cost, learn=not self.guard.probing(slots))  # a run's rounds teach the spread
         self.guard.observe_round(slots, True, charged, slots + int(accepted))
@@ -362,6 +378,7 @@ class SizedEaglePlanner(CostPlanner):
     def plan(self, slots: Slots) -> RoundPlan | None:
         self._c0 = time.process_time() * 1000.0
         a = int(slots.active.sum())
+        self._expects = None
         if a == 0:
             return None
         d, _ = self.shapes(slots)
@@ -369,6 +386,7 @@ class SizedEaglePlanner(CostPlanner):
         if sized is None:
             return None
         levels, m, _ = sized
+        self._expects = self.expects(a, self.TOP_K, levels, m)
         return self._fixed(np.minimum(d, levels), min(self.TOP_K, max(m, self.cfg.k_min)), m)
 
     def plain_ahead(self, slots: int, rounds: int) -> bool:

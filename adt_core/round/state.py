@@ -178,3 +178,32 @@ class RoundOutcome:
     # level_conf and curve are read back only for a planner that reads_curves (else empty)
     level_conf: np.ndarray  # (D + 1,) summed path confidence of kept nodes per depth (all slots)
     curve: np.ndarray  # (D, n_max + 1): [j - 1, m] summed confidence of each slot's m best candidates of depth <= j
+
+
+@dataclass
+class Forecasts:
+    """A cost planner's model checked out of sample: for each drafted round it sized, the tokens and
+    ms the model expected of the plan (made in `plan`, before the round ran) against what the round
+    committed and cost on the planner's clock (`observe`). Rounds whose depth the model had not
+    learned (a level tried past the deepest) and each kind's first, warm-up round are not counted."""
+
+    rounds: int = 0
+    tokens_expected: float = 0.0
+    tokens_committed: float = 0.0
+    ms_expected: float = 0.0
+    ms_measured: float = 0.0
+
+    def add(self, expected: tuple[float, float], tokens: float, ms: float) -> None:
+        self.rounds += 1
+        self.tokens_expected += expected[0]
+        self.ms_expected += expected[1]
+        self.tokens_committed += tokens
+        self.ms_measured += ms
+
+    def as_dict(self) -> dict:
+        """The sums, and committed / expected tokens and measured / expected ms (None before a round)."""
+        ratio = lambda a, b: a / b if self.rounds and b > 0 else None  # noqa: E731
+        return {"rounds": self.rounds, "tokens_expected": self.tokens_expected, "tokens_committed": self.tokens_committed,
+                "ms_expected": self.ms_expected, "ms_measured": self.ms_measured,
+                "tokens_ratio": ratio(self.tokens_committed, self.tokens_expected),
+                "ms_ratio": ratio(self.ms_measured, self.ms_expected)}

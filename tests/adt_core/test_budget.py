@@ -352,3 +352,41 @@ def test_a_near_tie_still_unsure_with_a_full_window_is_probed_less_often():
             assert max(intervals[-500:]) == NEAR_MAX
         assert probes < 3000 * 0.1, seed  # every PROBE_NEAR rounds, a probe of PROBE_RUN rounds: a fifth of them
     assert unsure >= 2
+
+
+def test_the_cost_model_is_checked_on_each_round_before_it_learns_from_it():
+    """`forecasts` holds, per drafted round the model sized, the tokens and ms it expected of the
+    plan (made in `plan`, before the round) against what the round committed and cost; the round
+    then teaches the model, and the next round is forecast from what it learned (out of sample).
+    Neither the first (warm-up) round nor a depth not learned yet is counted."""
+    from adt_core.round.state import RoundOutcome, Slots
+
+    import torch
+
+    costs = CostTable({1: 10.0, 2: 11.0, 4: 13.0, 8: 17.0, 64: 80.0})
+    p = _planner(costs)
+    slots = Slots.empty(1, 256, torch.device("cpu"))
+    slots.active[0], slots.host_count[0] = True, 10
+    levels = [[0.9, 0.1], [0.8, 0.05]]
+    p.curves = {j: row for j, row in enumerate(_curves(levels), start=1)}
+    p.level_ms, p.drafted, p.seen = 1.0, 1, {False}
+    p.guard.worth_drafting = lambda a: True
+    claims, got = [], []
+    for accepted in (2, 0, 1, 2, 1, 0, 2):
+        plan = p.plan(slots)
+        assert plan is not None
+        claim = p.expects(1, 10, plan.levels, plan.nodes)  # None: a level tried past the deepest learned
+        assert (claim is None) is (plan.levels not in p.curves)
+        first = True not in p.seen
+        out = RoundOutcome(np.array([min(accepted, plan.levels)]), np.array([plan.levels]), np.array([plan.nodes]),
+                           np.array([0.0] + [0.5] * plan.levels), _curves(levels + [[0.3]] * 6)[: plan.levels])
+        p.observe(plan, out, 1, round_ms=20.0, draft_ms=2.0)
+        if claim is not None and not first:
+            claims.append(claim)
+            got.append(1 + min(accepted, plan.levels))
+    f = p.forecasts.as_dict()
+    assert 2 <= f["rounds"] == len(claims) < 7  # the warm-up round and tried levels are not counted
+    assert f["tokens_committed"] == sum(got) and f["tokens_expected"] == pytest.approx(sum(c[0] for c in claims))
+    assert f["ms_expected"] == pytest.approx(sum(c[1] for c in claims))
+    assert f["tokens_ratio"] == pytest.approx(f["tokens_committed"] / f["tokens_expected"])
+    assert len(set(claims)) > 1  # each round taught the model before the next was forecast

@@ -36,8 +36,11 @@ def test_throughput_cells_with_control(tmp_path, capsys):
             assert (c["plain_x_ar"] is None) is (c["plain_ms_per_image_step"] == 0.0)
         if key.endswith("|adt"):
             assert 0.0 < c["occupancy"] <= 1.0
+            f = c["ceiling"]["forecast"]  # the cost model checked on the rounds it sized
+            assert f["rounds"] >= 0 and (f["tokens_ratio"] is None) is (f["rounds"] == 0)
     printed = capsys.readouterr().out
     assert "ar'" in printed and "vs ar@batch" in printed and "plain x ar" in printed and "busy" in printed
+    assert "model tok/ms" in printed
 
 
 def test_plain_step_and_occupancy_from_the_images_traces():
