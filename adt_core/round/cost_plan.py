@@ -4,7 +4,8 @@
   controller (adt_core/round/adaptive.py), and
   1. whether to draft at all: `BatchBudget`'s measured rates (adt_core/round/budget.py);
   2. levels D and kept nodes M together: the pair maximising (A + expected accepted tokens) /
-     (verify(A (1 + M)) + D x draft-level ms + the drafted round's measured bookkeeping),
+     (verify(A (1 + M)) + (D + 1) x a drafter forward's ms (D levels and the catch-up) + the drafted
+     round's measured bookkeeping),
      expected tokens = the summed path confidences of each slot's M best candidates no deeper
      than D (learned per depth as each level's smoothed gain), calibrated by the tokens kept
      nodes actually committed;
@@ -70,7 +71,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
     """ADT-Tree sized by this device's measured costs (budget "cost").
 
     Levels D and kept nodes M are chosen together, per round, as the pair with the most expected
-    tokens per ms: (A + cal x A x curve_D[M]) / (cost(A (1 + M)) + D x level ms), where curve_D[M]
+    tokens per ms: (A + cal x A x curve_D[M]) / (cost(A (1 + M)) + (D + 1) x level ms), where curve_D[M]
     is the per-slot summed path confidence of the M best candidates of depth <= D (EAGLE-2's
     expected accepted tokens), learned per depth from the drafted rounds' pools (smoothed), and
     cal the ratio of the tokens rounds committed to what their kept nodes' confidences promised.
@@ -98,7 +99,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
         self.conf = np.zeros(cfg.d_max + 2)  # (d_max + 2,) decayed sum of kept-node confidence at depth j
         self.curves: dict[int, np.ndarray] = {}  # depth D -> (n_max + 1,) expected accepted tokens per slot, m nodes
         self.gains: dict[int, np.ndarray] = {}  # depth j -> (n_max + 1,) smoothed gain of level j over depth j - 1
-        self.level_ms: float | None = None  # measured draft ms per level
+        self.level_ms: float | None = None  # measured ms per drafter forward (a level, or a round's catch-up)
         self.over: float | None = None  # measured ms of a drafted round beyond its forward and levels, per
         # unit of the forward's cost ratio to a plain step's (`_grows`)
         self.plain_over: float | None = None  # measured ms of a plain step beyond its forward
@@ -176,7 +177,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
         j-th level is accepted with probability PRIOR ** j."""
         c = self.capacity
         expected = c * sum(PRIOR ** j for j in range(1, min(levels, nodes) + 1))
-        return (c + expected) / (self._fwd(nodes) + levels * self._level_cost(c, width))
+        return (c + expected) / (self._fwd(nodes) + self._draft_ms(levels, c, width))
 
     def _fwd(self, m: int) -> float:
         """The table's ms of a verify forward of m nodes on every slot (kept per capacity and m:
@@ -197,6 +198,14 @@ class CostPlanner(RowsJudged, ShapePlanner):
     def plain_ms(self) -> float:
         """Modelled ms of a plain step of the full batch: the table's forward and its bookkeeping."""
         return self._fwd(0) + (self.plain_over or 0.0)
+
+    def _draft_ms(self, levels: int, a: int, width: int) -> float:
+        """A round's drafting: `levels` level forwards and the catch-up forward before them (the
+        pairs the last round committed), each a drafter forward of about a level's cost. Charged
+        per level alone, a catch-up learned on 2-3 level trees made every level 30-50% dearer, and
+        deep trees dearer still: at the stand-in's B 1 the model then rated a tree of 5 levels and
+        12 nodes at 1.35x a plain step, where EAGLE-2's ran at ~1.6x (twenty-second session)."""
+        return (levels + 1) * self._level_cost(a, width)
 
     def _level_cost(self, a: int, width: int) -> float:
         if self.level_ms is not None:
@@ -259,7 +268,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
         (kept=False: the table's alone, bookkeeping not counted)."""
         over = (self.over or 0.0) if kept else 0.0  # x _grows(m): the bookkeeping of m nodes
         for d, expected_at in self.expected():
-            draft = d * self._level_cost(a, width)
+            draft = self._draft_ms(d, a, width)
             for m in self._widths(d, width):
                 expected = a * expected_at[min(m, len(expected_at) - 1)]
                 yield d, m, (a + expected) / (self._fwd(m) + draft + over * self._grows(m))
@@ -271,7 +280,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
         if expected_at is None:
             return None
         tokens = a * (1.0 + expected_at[min(m, len(expected_at) - 1)])
-        return tokens, self._fwd(m) + levels * self._level_cost(a, width) + (self.over or 0.0) * self._grows(m)
+        return tokens, self._fwd(m) + self._draft_ms(levels, a, width) + (self.over or 0.0) * self._grows(m)
 
     def ceiling(self) -> tuple[int, int, float]:
         """(D, M, x): the tree the model rates best for a full batch at what it has measured (the
@@ -297,7 +306,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
         draft_ms *= cost / max(round_ms, 1e-6)  # the draft share of the round, on the same clock
         charged = self.rows.drafted(cost, learn=not self.guard.probing(slots))  # a run's rounds teach the spread
         self.guard.observe_round(slots, True, charged, slots + int(accepted))
-        per_level = draft_ms / plan.levels
+        per_level = draft_ms / (plan.levels + 1)  # its levels and its catch-up (`_draft_ms`)
         self.level_ms = _smooth(self.level_ms, per_level)
         extra = charged - self._fwd(plan.nodes) - draft_ms
         self.over = _smooth(self.over, extra / self._grows(plan.nodes))

@@ -48,7 +48,8 @@ def test_cost_planner_sizes_levels_and_nodes_together():
     assert p.ceiling() == (0, 0, 1.0)  # nothing measured: no claim
     p.curves, p.level_ms = {1: _curves(levels)[0], 2: _curves(levels)[1]}, 1.0
     d, m, x = p.ceiling()
-    assert d == 2 and x == pytest.approx((1 + _curves(levels)[1][m]) / 12.0 * 10.0)  # a flat verify: 10 ms + 2 levels
+    # a flat verify: 10 ms, and 2 levels and the catch-up at 1 ms each
+    assert d == 2 and x == pytest.approx((1 + _curves(levels)[1][m]) / 13.0 * 10.0)
     d, m, _ = p.size(1, 2)
     assert m <= 6  # never more nodes than two levels of two children hold (2 + 2 x 2)
 
@@ -70,7 +71,7 @@ def test_expected_tokens_never_exceed_what_a_tree_can_commit():
         assert (adds[-1] <= adds[-2] + 1e-9).all()  # depth d adds at most what depth d - 1 does
         below = e
     d, m, x = p.ceiling()
-    assert x <= (1 + min(d, m)) / (p._fwd(m) + d * p._level_cost(1, 8)) * p._fwd(0) + 1e-9
+    assert x <= (1 + min(d, m)) / (p._fwd(m) + (d + 1) * p._level_cost(1, 8)) * p._fwd(0) + 1e-9
 
 
 def test_cost_planner_learns_levels_from_their_gains_and_explores_one_deeper():
@@ -83,7 +84,7 @@ def test_cost_planner_learns_levels_from_their_gains_and_explores_one_deeper():
     rows = _curves([[0.9, 0.1], [0.8, 0.05], [0.02, 0.01]])  # the third level adds almost nothing
     out = RoundOutcome(np.array([2]), np.array([3]), np.array([4]), np.array([0.0, 0.9, 0.8, 0.02]), rows)
     p.observe(plan, out, 1, round_ms=20.0, draft_ms=3.0)
-    assert sorted(p.curves) == [1, 2, 3] and p.level_ms == pytest.approx(1.0)
+    assert sorted(p.curves) == [1, 2, 3] and p.level_ms == pytest.approx(0.75)  # 3 levels and the catch-up
     np.testing.assert_allclose(p.curves[3], rows[2])  # one round: the curves as measured
     for j in (1, 2, 3):  # the gains add up to each depth's curve
         np.testing.assert_allclose(sum(p.gains[i] for i in range(1, j + 1)), p.curves[j])
@@ -323,7 +324,7 @@ def test_measured_bookkeeping_is_amortised_by_deeper_trees():
     p.seen = {True, False}  # past the one-off first rounds
     p.observe(plan, out, 1, round_ms=40.0, draft_ms=8.0)
     grows = costs.cost(5) / costs.cost(1)  # bookkeeping grows with the nodes as the forward does
-    assert p.over == pytest.approx((40.0 - costs.cost(5) - 8.0) / grows) and p.level_ms == pytest.approx(4.0)
+    assert p.over == pytest.approx((40.0 - costs.cost(5) - 8.0) / grows) and p.level_ms == pytest.approx(8.0 / 3)
     p.observe_plain(1, 13.0)
     assert p.plain_over == pytest.approx(3.0) and p.plain_ms() == pytest.approx(13.0)
 
@@ -390,3 +391,19 @@ def test_the_cost_model_is_checked_on_each_round_before_it_learns_from_it():
     assert f["ms_expected"] == pytest.approx(sum(c[1] for c in claims))
     assert f["tokens_ratio"] == pytest.approx(f["tokens_committed"] / f["tokens_expected"])
     assert len(set(claims)) > 1  # each round taught the model before the next was forecast
+
+
+def test_a_rounds_catch_up_is_one_drafter_forward_not_a_share_of_its_levels():
+    """A round drafts with D + 1 drafter forwards: the catch-up (the pairs the last round committed)
+    and D levels. A drafter whose forwards each cost 1 ms, measured on 2-level rounds (3 ms), is
+    charged 6 ms for a 5-level tree (charged per level alone: 7.5 ms, and deeper trees dearer still)."""
+    from adt_core.round.state import RoundOutcome, RoundPlan
+
+    p = _planner(CostTable({1: 10.0, 2: 11.0, 4: 13.0, 8: 17.0, 64: 80.0}))
+    p.seen = {True, False}
+    plan = RoundPlan(2, 2, 3, np.array([2]), np.array([2]), np.array([3]))
+    out = RoundOutcome(np.array([1]), np.array([2]), np.array([3]), np.array([0.0, 0.7, 0.3]), _curves([[0.5, 0.2], [0.3]]))
+    for _ in range(3):
+        p.observe(plan, out, 1, round_ms=20.0, draft_ms=3.0)
+    assert p.level_ms == pytest.approx(1.0)
+    assert p._draft_ms(5, 1, 2) == pytest.approx(6.0) and p._draft_ms(2, 1, 2) == pytest.approx(3.0)
