@@ -407,3 +407,20 @@ def test_a_rounds_catch_up_is_one_drafter_forward_not_a_share_of_its_levels():
         p.observe(plan, out, 1, round_ms=20.0, draft_ms=3.0)
     assert p.level_ms == pytest.approx(1.0)
     assert p._draft_ms(5, 1, 2) == pytest.approx(6.0) and p._draft_ms(2, 1, 2) == pytest.approx(3.0)
+
+
+def test_a_slowed_reading_cannot_make_a_wider_forward_look_cheaper(monkeypatch):
+    """The cost table holds each size at most what any wider size read: load only adds time, so
+    the lower of two disagreeing readings holds. (Measured under load, a B 4 table read 49.4 ms
+    for a plain step and 40.8 for a 1-node tree on every slot; both cost planners then sized
+    1-node trees.) The draft levels' table likewise."""
+    from adt_core import calibrate, random_bundle
+
+    readings = iter([28.5, 49.4, 40.8, 64.6, 1.0, 1.4, 1.2, 1.6])
+    monkeypatch.setattr(calibrate, "_fastest_ms", lambda fn, timer, repeats, warmup: next(readings))
+    b = random_bundle(seed=0, vocab=64, grid=(4, 4), dim=32, n_layer=1, n_head=2)
+    table = calibrate.measure_target_cost(b.target, rows=2, sizes=(1, 4, 8, 12), prefix_len=8, slots=4)
+    assert table.ms == {1: 28.5, 4: 40.8, 8: 40.8, 12: 64.6}
+    draft = calibrate.measure_draft_cost(b.drafter, b.target.head, 2.0, 2, (1, 2, 3, 5), prefix_len=8,
+                                         vocab_size=b.target.vocab.vocab_size)
+    assert draft == {1: 1.0, 2: 1.2, 3: 1.2, 5: 1.6}
