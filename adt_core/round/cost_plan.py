@@ -202,9 +202,10 @@ class CostPlanner(RowsJudged, ShapePlanner):
     def _draft_ms(self, levels: int, a: int, width: int) -> float:
         """A round's drafting: `levels` level forwards and the catch-up forward before them (the
         pairs the last round committed), each a drafter forward of about a level's cost. Charged
-        per level alone, a catch-up learned on 2-3 level trees made every level 30-50% dearer, and
-        deep trees dearer still: at the stand-in's B 1 the model then rated a tree of 5 levels and
-        12 nodes at 1.35x a plain step, where EAGLE-2's ran at ~1.6x (twenty-second session)."""
+        per level alone, a catch-up learned on 2-3 level trees made every level 30-50% dearer, so
+        deep trees were rated dearer than they run: at the stand-in's B 1 the model (this among its
+        charges) rated 5 levels and 12 nodes at 1.35x a plain step, where EAGLE-2's tree of that
+        size ran at ~1.6x (docs/adt_tree.md, twenty-second session)."""
         return (levels + 1) * self._level_cost(a, width)
 
     def _level_cost(self, a: int, width: int) -> float:
