@@ -109,6 +109,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
         self._sized: dict[tuple[int, int], tuple[int, int, float]] = {}  # (slots, width) -> `size`, until it changes
         self.forecasts = Forecasts()  # the model's claim for each drafted round against the round
         self._expects: tuple[float, float] | None = None  # this round's, made in `plan`
+        self._expected: dict[int, np.ndarray] | None = None  # `expected()`, until `observe` moves it
         self.fresh_rows()  # drafted rounds judged on the rows they leave
 
     @classmethod
@@ -200,12 +201,10 @@ class CostPlanner(RowsJudged, ShapePlanner):
         return self._fwd(0) + (self.plain_over or 0.0)
 
     def _draft_ms(self, levels: int, a: int, width: int) -> float:
-        """A round's drafting: `levels` level forwards and the catch-up forward before them (the
-        pairs the last round committed), each a drafter forward of about a level's cost. Charged
-        per level alone, a catch-up learned on 2-3 level trees made every level 30-50% dearer, so
-        deep trees were rated dearer than they run: at the stand-in's B 1 the model (this among its
-        charges) rated 5 levels and 12 nodes at 1.35x a plain step, where EAGLE-2's tree of that
-        size ran at ~1.6x (docs/adt_tree.md, twenty-second session)."""
+        """A round's drafting: its catch-up forward (the pairs the last round committed) and `levels`
+        level forwards, each about a level's cost. Charged per level alone, a catch-up learned on
+        2-3 level trees made each level 30-50% dearer and deep trees dearer than they run
+        (docs/adt_tree.md, twenty-second session)."""
         return (levels + 1) * self._level_cost(a, width)
 
     def _level_cost(self, a: int, width: int) -> float:
@@ -277,7 +276,9 @@ class CostPlanner(RowsJudged, ShapePlanner):
     def expects(self, a: int, width: int, levels: int, m: int) -> tuple[float, float] | None:
         """(tokens, ms) the model expects of a round of `levels` levels of `width` and m nodes on
         `a` slots, as `_rates` rates it (bookkeeping included); None for a depth not learned yet."""
-        expected_at = dict(self.expected()).get(levels)
+        if self._expected is None:
+            self._expected = dict(self.expected())
+        expected_at = self._expected.get(levels)
         if expected_at is None:
             return None
         tokens = a * (1.0 + expected_at[min(m, len(expected_at) - 1)])
@@ -297,7 +298,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
     def observe(self, plan: RoundPlan, outcome: RoundOutcome, slots: int, round_ms: float, draft_ms: float) -> None:
         accepted = float(outcome.accepted.sum())
         cost = self._cost_ms(round_ms)
-        self._sized = {}  # acceptance, costs and `drafted` move: the sizes are chosen anew
+        self._sized, self._expected = {}, None  # acceptance, costs and `drafted` move: sized anew
         self._learn_acceptance(outcome, slots)  # every round: acceptance does not depend on warm-up
         if not self._warm(True):
             return  # the first drafted round's time holds one-off costs
