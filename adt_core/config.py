@@ -79,7 +79,7 @@ class TreeConfig:
     top_k: children expanded per node and frontier size per level (EAGLE-2: 10).
     budget: draft nodes kept after reranking (EAGLE-2's "total tokens" minus the root: 58).
         None for all three (the default): method "eagle2" sizes its tree for this device, every
-        round, from the measured costs and acceptance (adt_core/round/plan.py `SizedEaglePlanner`;
+        round, from the measured costs and acceptance (adt_core/round/eagle_plan.py `SizedEaglePlanner`;
         58 nodes is a GPU's figure). Any one set fixes the tree by hand, the others taking
         EAGLE-2's figures (5, 10, 58), as does a static tree.
     static_paths: for method "static", the fixed tree as a list of paths of child ranks,

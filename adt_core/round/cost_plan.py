@@ -13,8 +13,8 @@
      drafted rounds), so depth grows where levels pay; each slot's depth is min(its d, D);
   4. a plan the model rates clearly below a plain step (VETO) is not run, except as the guard's
      probe: a large batch on a CPU then costs what batched AR costs.
-- `eagle2` with its tree unset (`SizedEaglePlanner`): EAGLE-2's tree (every slot, every round,
-  the same depth, top-k EAGLE2_TREE's) with D and M sized as in 2-3; it always drafts.
+- `eagle2` with its tree unset sizes its tree with this model: adt_core/round/eagle_plan.py
+  (`SizedEaglePlanner`).
 - `jacobi`'s cost budget is adt_core/round/jacobi_plan.py (`JacobiPlanner`); it shares
   `RowsJudged` with these.
 """
@@ -26,10 +26,10 @@ import time
 import numpy as np
 
 from adt_core.calibrate import CostTable
-from adt_core.config import EAGLE2_TREE, AdaptiveConfig, DecodeConfig
+from adt_core.config import AdaptiveConfig, DecodeConfig
 from adt_core.round.adaptive import AdaptiveGrid
 from adt_core.round.budget import EMA, BatchBudget, Ragged
-from adt_core.round.plan import WIDTHS, Planner, ShapePlanner, bucket, fed, fit, roomy
+from adt_core.round.plan import WIDTHS, Planner, ShapePlanner, bucket, fit, roomy
 from adt_core.round.state import Extent, Forecasts, RoundOutcome, RoundPlan, Slots
 
 PRIOR = 0.7  # before any drafted round: the assumed acceptance of a draft level, per level
@@ -367,41 +367,3 @@ class CostPlanner(RowsJudged, ShapePlanner):
             self.guard.observe_round(slots, False, cost, slots)
             self.plain_over = _smooth(self.plain_over, cost - self._fwd(0))
 
-
-class SizedEaglePlanner(CostPlanner):
-    """EAGLE-2 with its tree sized for this device (method eagle2, tree unset): every active
-    slot drafts every round to the same depth D, expanding EAGLE-2's top-k per level and keeping
-    the M best nodes, D and M chosen each round as `CostPlanner` chooses them (most expected
-    tokens per ms at the measured costs, bookkeeping and acceptance). What it does not take from
-    adt: ADT-Tree's per-slot shapes and the draft-or-plain guard (EAGLE-2 always drafts)."""
-
-    TOP_K = EAGLE2_TREE["top_k"]
-
-    @classmethod
-    def extent(cls, config: DecodeConfig) -> Extent:
-        a = config.adaptive
-        return roomy(Extent(bucket(a.n_max), fed(config, a.d_max, cls.TOP_K)))
-
-    def shapes(self, slots: Slots) -> tuple[np.ndarray, np.ndarray]:
-        d = np.where(slots.active, self.cfg.d_max, 0)
-        return np.minimum(d, self.room(slots)), np.full(d.shape, self.TOP_K)
-
-    def plan(self, slots: Slots) -> RoundPlan | None:
-        self._c0 = time.process_time() * 1000.0
-        a = int(slots.active.sum())
-        self._expects = None
-        if a == 0:
-            return None
-        d, _ = self.shapes(slots)
-        sized = self._fitted(a, self.TOP_K, slots.room)
-        if sized is None:
-            return None
-        levels, m, _ = sized
-        self._expects = self.expects(a, self.TOP_K, levels, m)
-        return self._fixed(np.minimum(d, levels), min(self.TOP_K, max(m, self.cfg.k_min)), m)
-
-    def plain_ahead(self, slots: int, rounds: int) -> bool:
-        return False
-
-    def holds(self, slots: int) -> bool:
-        return False

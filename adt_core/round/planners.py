@@ -6,7 +6,8 @@ from __future__ import annotations
 from adt_core.calibrate import CostTable
 from adt_core.config import DecodeConfig
 from adt_core.round.adaptive import AdaptiveGrid
-from adt_core.round.cost_plan import CostPlanner, SizedEaglePlanner
+from adt_core.round.cost_plan import CostPlanner
+from adt_core.round.eagle_plan import SizedEaglePlanner
 from adt_core.round.jacobi_plan import JacobiPlanner
 from adt_core.round.plan import EaglePlanner, Planner, ShapePlanner, StaticPlanner
 from adt_core.round.state import Extent
