@@ -204,7 +204,7 @@ class CostPlanner(RowsJudged, ShapePlanner):
         """A round's drafting: its catch-up forward (the pairs the last round committed) and `levels`
         level forwards, each about a level's cost. Charged per level alone, a catch-up learned on
         2-3 level trees made each level 30-50% dearer and deep trees dearer than they run
-        (docs/adt_tree.md, twenty-second session)."""
+        (docs/adt_tree_log.md, twenty-second session)."""
         return (levels + 1) * self._level_cost(a, width)
 
     def _level_cost(self, a: int, width: int) -> float:
